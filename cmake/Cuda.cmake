@@ -1,0 +1,23 @@
+# Build the CUDA kernels when a CUDA toolkit is found; otherwise a CPU-only library.
+# NMCLI_CUDA=OFF forces CPU-only; NMCLI_CUDA_ARCHS picks the targets (default 90 = H100/H200).
+option(NMCLI_CUDA "Build the CUDA kernels and op when a CUDA toolkit is found" ON)
+set(NMCLI_CUDA_ARCHS "90" CACHE STRING "CUDA architectures to build for")
+set(NMCLI_WITH_CUDA OFF)
+if(NMCLI_CUDA)
+  if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX} AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    set(CMAKE_CUDA_ARCHITECTURES ${NMCLI_CUDA_ARCHS})
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_RUNTIME_LIBRARY Static)  # no shared cudart to clash with ORT's copy
+    set(NMCLI_WITH_CUDA ON)
+    message(STATUS "nmcli: CUDA ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${NMCLI_CUDA_ARCHS}")
+  else()
+    message(STATUS "nmcli: no CUDA toolkit found, building the CPU op only")
+  endif()
+endif()

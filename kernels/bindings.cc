@@ -1,0 +1,84 @@
+// nmcli._kernels: the kernels without ONNX Runtime, on NumPy arrays (CPU) and, when built
+// with CUDA, on device pointers (see kernels/cuda/). Shapes are checked here, at the boundary.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "cpu/nm_matmul_cpu.h"
+#include "nm_format.h"
+
+namespace py = pybind11;
+using namespace nmcli;
+
+namespace {
+
+// A C-contiguous view of `obj` in `dtype` (copies only when needed).
+py::array as_contiguous(const py::object& obj, const py::dtype& dtype) {
+  return py::array::ensure(py::module_::import("numpy").attr("ascontiguousarray")(obj, dtype));
+}
+
+template <typename T>
+py::array run_cpu(const py::array& x, const py::array& values, const py::array& indices, const py::object& bias,
+                  int n, int m, int64_t k, float alpha, int threads) {
+  const py::dtype dtype = values.dtype();
+  const py::array xa = as_contiguous(x, dtype), va = as_contiguous(values, dtype);
+  const py::array ia = as_contiguous(indices, py::dtype("uint32"));
+  if (xa.ndim() < 1 || xa.shape(xa.ndim() - 1) != k) throw std::invalid_argument("x's last dim must be k");
+  if (va.ndim() != 2) throw std::invalid_argument("values must be rank 2 [Nout, S]");
+  const NMShape shape = NMShape::make(k, va.shape(0), n, m);
+  if (va.shape(1) != shape.row_len)
+    throw std::invalid_argument("values have row length " + std::to_string(va.shape(1)) + ", expected " +
+                                std::to_string(shape.row_len));
+  if (ia.ndim() != 2 || ia.shape(0) != shape.nout || ia.shape(1) != shape.index_words)
+    throw std::invalid_argument("indices must be uint32 [Nout, " + std::to_string(shape.index_words) + "]");
+  py::array ba;
+  if (!bias.is_none()) {
+    ba = as_contiguous(bias, dtype);
+    if (ba.ndim() != 1 || ba.shape(0) != shape.nout) throw std::invalid_argument("bias must be [Nout]");
+  }
+  std::vector<py::ssize_t> out_dims(xa.shape(), xa.shape() + xa.ndim());
+  out_dims.back() = shape.nout;
+  py::array y(dtype, out_dims);
+  NMMatMulArgs<T> args;
+  args.x = static_cast<const T*>(xa.data());
+  args.values = static_cast<const T*>(va.data());
+  args.indices = static_cast<const uint32_t*>(ia.data());
+  args.bias = ba ? static_cast<const T*>(ba.data()) : nullptr;
+  args.y = static_cast<T*>(y.mutable_data());
+  args.rows = k ? xa.size() / k : 0;
+  args.alpha = alpha;
+  args.shape = shape;
+  py::gil_scoped_release release;
+  nm_matmul_cpu<T>(args, threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency()));
+  return y;
+}
+
+py::array nm_matmul_cpu_py(const py::array& x, const py::array& values, const py::array& indices,
+                           const py::object& bias, int n, int m, int64_t k, float alpha, int threads) {
+  if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m " + std::to_string(n) + ":" + std::to_string(m));
+  const std::string kind = py::str(values.dtype());
+  if (kind == "float32") return run_cpu<float>(x, values, indices, bias, n, m, k, alpha, threads);
+  if (kind == "float16") return run_cpu<half_t>(x, values, indices, bias, n, m, k, alpha, threads);
+  throw std::invalid_argument("values must be float32 or float16, got " + kind);
+}
+
+}  // namespace
+
+#ifdef NMCLI_WITH_CUDA
+void register_cuda_bindings(py::module_& m);  // kernels/cuda/bindings (built with CUDA only)
+#endif
+
+PYBIND11_MODULE(_kernels, mod) {
+  mod.doc() = "nmcli kernels without ONNX Runtime";
+  mod.attr("FORMAT_VERSION") = kFormatVersion;
+  mod.def("nm_matmul_cpu", &nm_matmul_cpu_py, py::arg("x"), py::arg("values"), py::arg("indices"),
+          py::arg("bias") = py::none(), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("alpha") = 1.0f,
+          py::arg("threads") = 0,
+          "Y = alpha * X @ W + bias on the CPU; W packed per docs/FORMAT.md, dtype from values.");
+#ifdef NMCLI_WITH_CUDA
+  register_cuda_bindings(mod);
+#endif
+}

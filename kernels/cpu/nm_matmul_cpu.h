@@ -1,0 +1,47 @@
+// CPU implementation of Y = alpha * (X @ W) + bias with W in the packed N:M format.
+#pragma once
+#include <cstdint>
+
+#include "../nm_format.h"
+#include "half.h"
+
+namespace nmcli {
+
+template <typename T>
+struct NMMatMulArgs {
+  const T* x = nullptr;           // [rows, K]
+  const T* values = nullptr;      // [Nout, S]
+  const uint32_t* indices = nullptr;  // [Nout, S*B/32]
+  const T* bias = nullptr;        // [Nout] or null
+  T* y = nullptr;                 // [rows, Nout]
+  int64_t rows = 0;
+  float alpha = 1.0f;
+  NMShape shape;
+};
+
+// Output columns are processed in blocks; blocks are independent, so any thread pool can run
+// them: call prepare once, then compute_block(b) for every b in [0, num_blocks).
+template <typename T>
+class NMMatMulCpu {
+ public:
+  static constexpr int64_t kColumnsPerBlock = 16;
+
+  explicit NMMatMulCpu(const NMMatMulArgs<T>& args);
+  ~NMMatMulCpu();
+  NMMatMulCpu(const NMMatMulCpu&) = delete;
+  NMMatMulCpu& operator=(const NMMatMulCpu&) = delete;
+
+  int64_t num_blocks() const { return (args_.shape.nout + kColumnsPerBlock - 1) / kColumnsPerBlock; }
+  void compute_block(int64_t block) const;
+
+ private:
+  NMMatMulArgs<T> args_;
+  const float* x32_ = nullptr;    // activations as fp32 [rows, K]
+  float* x32_storage_ = nullptr;  // owned when T is not float
+};
+
+// Convenience: the whole product on std::threads (used by the pybind module and tests).
+template <typename T>
+void nm_matmul_cpu(const NMMatMulArgs<T>& args, int num_threads);
+
+}  // namespace nmcli

@@ -1,0 +1,59 @@
+// The packed N:M format (docs/FORMAT.md, version 1), mirrored for C++ and CUDA.
+// nmcli/format.py owns the layout; this header only reads it.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define NM_HD __host__ __device__ __forceinline__
+#else
+#define NM_HD inline
+#endif
+
+namespace nmcli {
+
+constexpr int kFormatVersion = 1;
+constexpr int kMaxM = 32;
+constexpr int kRowAlign = 32;  // stored entries per row are padded to a multiple of this
+
+// B = ceil(log2 M): bits of one stored offset.
+NM_HD int index_bits(int m) {
+  int b = 1;
+  while ((1 << b) < m) ++b;
+  return b;
+}
+
+// Geometry of one packed weight; every kernel takes this.
+struct NMShape {
+  int64_t k = 0;       // logical reduction length
+  int64_t nout = 0;    // output columns (rows of `values`)
+  int n = 0, m = 0;    // N kept of every M
+  int bits = 0;        // B
+  int64_t groups = 0;  // ceil(K / M)
+  int64_t row_len = 0; // S: stored entries per row, multiple of kRowAlign
+  int64_t index_words = 0;  // uint32 words per row of `indices` = S * B / 32
+
+  static NMShape make(int64_t k, int64_t nout, int n, int m) {
+    NMShape s;
+    s.k = k; s.nout = nout; s.n = n; s.m = m; s.bits = index_bits(m);
+    s.groups = (k + m - 1) / m;
+    const int64_t stored = s.groups * n;
+    s.row_len = (stored + kRowAlign - 1) / kRowAlign * kRowAlign;
+    s.index_words = s.row_len * s.bits / 32;
+    return s;
+  }
+  NM_HD int64_t stored() const { return groups * n; }
+};
+
+inline bool valid_pattern(int n, int m) { return 1 <= n && n < m && m <= kMaxM; }
+
+// Offset of entry j in a row of index words: the B-bit field at bits [j*B, j*B+B).
+NM_HD uint32_t read_offset(const uint32_t* row_words, int64_t j, int bits) {
+  const int64_t bit = j * bits;
+  const int64_t word = bit >> 5;
+  const int shift = static_cast<int>(bit & 31);
+  uint64_t window = row_words[word];
+  if (shift + bits > 32) window |= static_cast<uint64_t>(row_words[word + 1]) << 32;
+  return static_cast<uint32_t>(window >> shift) & ((1u << bits) - 1u);
+}
+
+}  // namespace nmcli

@@ -1,0 +1,69 @@
+"""Which N of every M weights to keep.
+
+A criterion scores every weight (higher = keep); `choose_offsets` turns scores into the kept
+offsets of each group. Later criteria (activation-aware, permutation-aware) plug in by
+implementing `MaskCriterion.scores`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .format import NMPattern
+
+
+@dataclass
+class LayerContext:
+    """What a criterion may know about a layer besides its weight."""
+
+    node_name: str
+    weight_name: str
+    input_channel_norms: np.ndarray | None = None  # ||X_k|| over calibration data, [K]
+    extra: dict = field(default_factory=dict)
+
+
+class MaskCriterion(Protocol):
+    name: str
+
+    def scores(self, weight: np.ndarray, layer: LayerContext) -> np.ndarray:
+        """Importance of each entry of weight [K, Nout], same shape, higher = keep."""
+        ...
+
+
+class Magnitude:
+    """|W|: the ASP / nmSPARSE baseline."""
+
+    name = "magnitude"
+
+    def scores(self, weight: np.ndarray, layer: LayerContext) -> np.ndarray:
+        return np.abs(weight.astype(np.float64))
+
+
+CRITERIA: dict[str, type] = {"magnitude": Magnitude}
+
+
+def choose_offsets(scores: np.ndarray, pattern: NMPattern) -> np.ndarray:
+    """Top-N offsets per group of M along K: scores [K, Nout] -> int64 [Nout, G, N], sorted.
+
+    Ties go to the lower offset, so the choice is deterministic. Positions past K (the
+    partial last group) score -inf and are kept only when the group has fewer than N real
+    positions; the format stores zeros there.
+    """
+    k, nout = scores.shape
+    groups = -(-k // pattern.m)
+    padded = np.full((groups * pattern.m, nout), -np.inf)
+    padded[:k] = np.nan_to_num(scores.astype(np.float64), nan=-np.inf)
+    by_group = padded.T.reshape(nout, groups, pattern.m)
+    order = np.argsort(-by_group, axis=-1, kind="stable")[..., : pattern.n]
+    return np.sort(order, axis=-1)
+
+
+def prune_mask(weight: np.ndarray, offsets: np.ndarray, pattern: NMPattern) -> np.ndarray:
+    """Boolean mask [K, Nout] with True where a weight is kept."""
+    k, nout = weight.shape
+    groups = offsets.shape[1]
+    mask = np.zeros((nout, groups, pattern.m), dtype=bool)
+    np.put_along_axis(mask, offsets, True, axis=-1)
+    return mask.reshape(nout, groups * pattern.m)[:, :k].T

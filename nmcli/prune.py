@@ -1,0 +1,201 @@
+"""Prune constant MatMul / Gemm weights to N:M and rewrite the nodes to our custom op."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from . import format as nmformat
+from .errors import ModelError, NmcliError
+from .graph import Candidate, Selection, _attr, find_candidates
+from .masks import CRITERIA, LayerContext, MaskCriterion, choose_offsets
+from .modelio import clamp_ir_version
+from .report import LayerReport, PruneReport, SkipReport
+
+OP_DOMAIN = "nmcli"
+OP_TYPE = "NMMatMul"
+OP_VERSION = 1
+
+
+@dataclass
+class PrunedWeight:
+    packed: nmformat.PackedWeight
+    values_name: str
+    indices_name: str
+    rel_error: float
+    dense_bytes: int
+
+
+def get_criterion(method: str) -> MaskCriterion:
+    try:
+        return CRITERIA[method]()
+    except KeyError:
+        raise NmcliError(f"unknown pruning method '{method}' (choose from: {', '.join(CRITERIA)})") from None
+
+
+def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, criterion: MaskCriterion,
+                 layer: LayerContext) -> tuple[nmformat.PackedWeight, float]:
+    """Pack one weight [K, Nout]; returns the packed weight and ||W - W'|| / ||W||."""
+    offsets = choose_offsets(criterion.scores(weight, layer), pattern)
+    packed = nmformat.pack(weight, offsets, pattern)
+    dense = weight.astype(np.float64)
+    norm = np.linalg.norm(dense)
+    rel_error = float(np.linalg.norm(dense - nmformat.unpack(packed).astype(np.float64)) / norm) if norm else 0.0
+    return packed, rel_error
+
+
+def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "magnitude",
+                criterion: MaskCriterion | None = None) -> tuple[onnx.ModelProto, PruneReport]:
+    """Return a pruned copy of `model` (the input is not modified) and the per-layer report."""
+    criterion = criterion or get_criterion(method)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    candidates = find_candidates(out, selection)
+    chosen = [c for c in candidates if c.weight is not None]
+    report = PruneReport(pattern=str(selection.pattern), method=criterion.name,
+                         skipped=[SkipReport(c.name, c.weight_name, c.skip_reason) for c in candidates if c.weight is None])
+    if not chosen:
+        why = "no MatMul/Gemm nodes" if not candidates else "no MatMul/Gemm node with a prunable constant weight"
+        raise ModelError(f"nothing to prune: {why}" + _skip_summary(report))
+
+    graph = out.graph
+    taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+
+    pruned: dict[tuple[str, bool], PrunedWeight] = {}
+    for cand in chosen:
+        if cand.weight_key in pruned:
+            continue
+        layer = LayerContext(node_name=cand.name, weight_name=cand.weight_name)
+        packed, rel_error = prune_weight(cand.weight, selection.pattern, criterion, layer)
+        base = cand.weight_name + (".T" if cand.weight_key[1] else "")
+        entry = PrunedWeight(packed, _unique(base + ".nm_values", taken), _unique(base + ".nm_indices", taken),
+                             rel_error, cand.weight.nbytes)
+        graph.initializer.extend([numpy_helper.from_array(packed.values, entry.values_name),
+                                  numpy_helper.from_array(packed.indices, entry.indices_name)])
+        pruned[cand.weight_key] = entry
+
+    sharing = {key: sum(c.weight_key == key for c in chosen) for key in pruned}
+    replacements = {id(c.node): _rewrite_node(c, pruned[c.weight_key], graph, taken) for c in chosen}
+    new_nodes = []
+    for node in graph.node:
+        new_nodes.extend(replacements.get(id(node), [node]))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    _remove_dead(graph, [n for c in chosen for n in c.chain])
+
+    if not any(o.domain == OP_DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
+    clamp_ir_version(out)
+
+    for cand in chosen:
+        entry = pruned[cand.weight_key]
+        k, nout = cand.shape
+        report.layers.append(LayerReport(
+            node=cand.name, op_type=cand.node.op_type, weight=cand.weight_name, k=k, nout=nout,
+            dtype=str(cand.weight.dtype), rel_error=entry.rel_error, bytes_before=entry.dense_bytes,
+            bytes_after=entry.packed.nbytes, shared_by=sharing[cand.weight_key]))
+    return out, report
+
+
+def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, taken: set[str]) -> list[onnx.NodeProto]:
+    node, shape = cand.node, entry.packed.shape
+    attrs = dict(n=shape.pattern.n, m=shape.pattern.m, k=shape.k)
+    inputs = [node.input[0], entry.values_name, entry.indices_name]
+    pre, post = [], []
+    output = node.output[0]
+    if node.op_type == "Gemm":
+        if _attr(node, "transA", 0):
+            transposed = _unique(output + ".nm_At", taken)
+            pre.append(helper.make_node("Transpose", [node.input[0]], [transposed], name=transposed))
+            inputs[0] = transposed
+        alpha = float(_attr(node, "alpha", 1.0))
+        if alpha != 1.0:
+            attrs["alpha"] = alpha
+        bias, post, product = _gemm_bias(node, cand, graph, taken)
+        if bias is not None:
+            inputs.append(bias)
+        if product is not None:
+            output = product
+    core = helper.make_node(OP_TYPE, inputs, [output], name=node.name or output, domain=OP_DOMAIN, **attrs)
+    return pre + [core] + post
+
+
+def _gemm_bias(node, cand: Candidate, graph, taken):
+    """beta * C: a per-column bias input when C is a constant vector, else nodes after the op.
+
+    Returns (bias input name or None, nodes to append, name for the op's own output or None).
+    """
+    if len(node.input) < 3 or not node.input[2] or float(_attr(node, "beta", 1.0)) == 0.0:
+        return None, [], None
+    beta = float(_attr(node, "beta", 1.0))
+    nout, dtype, c_name = cand.shape[1], cand.weight.dtype, node.input[2]
+    init = {t.name: t for t in graph.initializer}.get(c_name)
+    if init is not None and c_name not in {i.name for i in graph.input}:
+        c = numpy_helper.to_array(init)
+        if c.size in (1, nout) and all(d == 1 for d in c.shape[:-1]):
+            bias = np.broadcast_to((beta * c.astype(np.float64)).reshape(-1), (nout,)).astype(dtype)
+            name = _unique(cand.name + ".nm_bias", taken)
+            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(bias), name))
+            return name, [], None
+    # General C (a full matrix or a run-time tensor): Y = (A @ W) + beta * C, output name kept.
+    product = _unique(node.output[0] + ".nm_product", taken)
+    nodes, addend = [], c_name
+    if beta != 1.0:
+        beta_name = _unique(cand.name + ".nm_beta", taken)
+        graph.initializer.append(numpy_helper.from_array(np.array(beta, dtype=dtype), beta_name))
+        addend = _unique(cand.name + ".nm_beta_c", taken)
+        nodes.append(helper.make_node("Mul", [c_name, beta_name], [addend], name=addend))
+    nodes.append(helper.make_node("Add", [product, addend], [node.output[0]], name=node.output[0] + ".nm_add"))
+    return None, nodes, product
+
+
+def _remove_dead(graph: onnx.GraphProto, chain_nodes: list[onnx.NodeProto]) -> None:
+    """Drop folded Transpose/Cast/Constant nodes and initializers nothing reads any more."""
+    def used_names() -> set[str]:
+        names = {o.name for o in graph.output}
+        for node in graph.node:
+            names.update(node.input)
+            names.update(_subgraph_inputs(node))
+        return names
+
+    chain_ids = {id(n) for n in chain_nodes}
+    changed = True
+    while changed:
+        used = used_names()
+        keep = [n for n in graph.node if id(n) not in chain_ids or any(o in used for o in n.output)]
+        changed = len(keep) != len(graph.node)
+        if changed:
+            del graph.node[:]
+            graph.node.extend(keep)
+            chain_ids = {id(n) for n in graph.node} & chain_ids
+    used = used_names()
+    live = [t for t in graph.initializer if t.name in used]
+    if len(live) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(live)
+
+
+def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
+    names: set[str] = set()
+    for attr in node.attribute:
+        for sub in list(attr.g.node if attr.HasField("g") else []) + [n for g in attr.graphs for n in g.node]:
+            names.update(sub.input)
+            names.update(_subgraph_inputs(sub))
+    return names
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}.{i}", i + 1
+    taken.add(candidate)
+    return candidate
+
+
+def _skip_summary(report: PruneReport) -> str:
+    if not report.skipped:
+        return ""
+    reasons = sorted({s.reason for s in report.skipped})
+    return f" ({'; '.join(reasons[:3])})"

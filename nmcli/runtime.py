@@ -1,0 +1,60 @@
+"""Finding the compiled op library and opening ONNX Runtime sessions with it registered."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import onnx
+
+from .errors import ModelError, OpsLibraryError
+
+LIBRARY_NAME = "libnmcli_ops.so"
+
+
+def ops_library_path() -> str:
+    """Absolute path of the op library, for SessionOptions.register_custom_ops_library."""
+    override = os.environ.get("NMCLI_OPS_LIBRARY")
+    path = Path(override) if override else Path(__file__).parent / "_lib" / LIBRARY_NAME
+    if not path.is_file():
+        raise OpsLibraryError(f"op library not found at {path}: reinstall nmcli with 'pip install .' "
+                              "(it is built from ops/ and kernels/ at install time)")
+    return str(path)
+
+
+@functools.lru_cache(maxsize=1)
+def build_info() -> dict:
+    """What the op library was compiled with, e.g. {'cpu': True, 'cuda': True, 'cuda_archs': '90'}."""
+    lib = ctypes.CDLL(ops_library_path())
+    lib.nmcli_ops_build_info.restype = ctypes.c_char_p
+    info = {}
+    for item in lib.nmcli_ops_build_info().decode().split(";"):
+        key, _, value = item.partition("=")
+        info[key] = value == "1" if key in ("cpu", "cuda") else value
+    return info
+
+
+def session_options(options=None):
+    import onnxruntime as ort
+
+    options = options or ort.SessionOptions()
+    options.register_custom_ops_library(ops_library_path())
+    return options
+
+
+def session(model, providers=None, sess_options=None, **kwargs):
+    """An onnxruntime.InferenceSession with the nmcli op library registered.
+
+    `model` is a path or an onnx.ModelProto; `providers` defaults to CPU only.
+    """
+    import onnxruntime as ort
+
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    elif not isinstance(model, (bytes, bytearray)):
+        model = os.fspath(model)
+        if not Path(model).is_file():
+            raise ModelError(f"{model}: no such file")
+    return ort.InferenceSession(model, sess_options=session_options(sess_options),
+                                providers=providers or ["CPUExecutionProvider"], **kwargs)

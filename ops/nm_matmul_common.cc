@@ -1,0 +1,95 @@
+#include "nm_matmul_common.h"
+
+#include <sstream>
+
+namespace nmcli {
+namespace {
+
+[[noreturn]] void fail(const std::string& what) {
+  throw Ort::Exception(std::string("nmcli.NMMatMul: ") + what, ORT_INVALID_ARGUMENT);
+}
+
+std::string dims_str(const std::vector<int64_t>& dims) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
+  os << "]";
+  return os.str();
+}
+
+}  // namespace
+
+NMMatMulAttrs NMMatMulAttrs::read(const OrtKernelInfo* info) {
+  Ort::ConstKernelInfo ki(info);
+  NMMatMulAttrs a;
+  a.n = static_cast<int>(ki.GetAttribute<int64_t>("n"));
+  a.m = static_cast<int>(ki.GetAttribute<int64_t>("m"));
+  a.k = ki.GetAttribute<int64_t>("k");
+  float alpha = 1.0f;
+  if (Ort::GetApi().KernelInfoGetAttribute_float(info, "alpha", &alpha) == nullptr) a.alpha = alpha;
+  if (!valid_pattern(a.n, a.m)) fail("invalid n:m attributes " + std::to_string(a.n) + ":" + std::to_string(a.m));
+  if (a.k < 1) fail("attribute k must be positive");
+  return a;
+}
+
+NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& attrs) {
+  NMMatMulCall call;
+  const auto x_dims = ctx.GetInput(0).GetTensorTypeAndShapeInfo().GetShape();
+  const auto v_dims = ctx.GetInput(1).GetTensorTypeAndShapeInfo().GetShape();
+  const auto i_dims = ctx.GetInput(2).GetTensorTypeAndShapeInfo().GetShape();
+  if (x_dims.empty() || x_dims.back() != attrs.k)
+    fail("X has shape " + dims_str(x_dims) + ", its last dim must be K=" + std::to_string(attrs.k));
+  if (v_dims.size() != 2) fail("values must be rank 2, got " + dims_str(v_dims));
+  call.shape = NMShape::make(attrs.k, v_dims[0], attrs.n, attrs.m);
+  if (v_dims[1] != call.shape.row_len)
+    fail("values have shape " + dims_str(v_dims) + ", expected [Nout, " + std::to_string(call.shape.row_len) + "]");
+  if (i_dims.size() != 2 || i_dims[0] != v_dims[0] || i_dims[1] != call.shape.index_words)
+    fail("indices have shape " + dims_str(i_dims) + ", expected " +
+         dims_str({v_dims[0], call.shape.index_words}));
+  // An absent optional input is either missing from the node or present as a null value.
+  call.has_bias = ctx.GetInputCount() > 3 && static_cast<const OrtValue*>(ctx.GetInput(3)) != nullptr;
+  if (call.has_bias) {
+    const auto b_dims = ctx.GetInput(3).GetTensorTypeAndShapeInfo().GetShape();
+    if (b_dims.size() != 1 || b_dims[0] != v_dims[0]) fail("bias has shape " + dims_str(b_dims) + ", expected [Nout]");
+  }
+  call.rows = 1;
+  for (size_t i = 0; i + 1 < x_dims.size(); ++i) call.rows *= x_dims[i];
+  call.out_dims.assign(x_dims.begin(), x_dims.end() - 1);
+  call.out_dims.push_back(v_dims[0]);
+  return call;
+}
+
+OrtStatusPtr infer_output_shape(OrtShapeInferContext* ctx) {
+  const OrtApi& api = Ort::GetApi();
+  OrtTensorTypeAndShapeInfo* x_info = nullptr;
+  OrtTensorTypeAndShapeInfo* v_info = nullptr;
+  OrtTensorTypeAndShapeInfo* out = nullptr;
+  OrtStatusPtr status = nullptr;
+  auto step = [&](OrtStatusPtr s) { if (!status) status = s; else if (s) api.ReleaseStatus(s); return status == nullptr; };
+  // Input infos belong to the context (ORT's own wrapper does not free them); `out` is ours.
+  if (step(api.ShapeInferContext_GetInputTypeShape(ctx, 0, &x_info)) &&
+      step(api.ShapeInferContext_GetInputTypeShape(ctx, 1, &v_info))) {
+    ONNXTensorElementDataType type;
+    size_t x_rank = 0, v_rank = 0;
+    step(api.GetTensorElementType(x_info, &type));
+    step(api.GetDimensionsCount(x_info, &x_rank));
+    step(api.GetDimensionsCount(v_info, &v_rank));
+    if (!status && x_rank >= 1 && v_rank == 2) {
+      std::vector<int64_t> dims(x_rank), vdims(2);
+      std::vector<const char*> syms(x_rank), vsyms(2);
+      step(api.GetDimensions(x_info, dims.data(), x_rank));
+      step(api.GetSymbolicDimensions(x_info, syms.data(), x_rank));
+      step(api.GetDimensions(v_info, vdims.data(), 2));
+      step(api.GetSymbolicDimensions(v_info, vsyms.data(), 2));
+      dims.back() = vdims[0];
+      syms.back() = vsyms[0];
+      if (!status && step(api.CreateTensorTypeAndShapeInfo(&out)) && step(api.SetTensorElementType(out, type)) &&
+          step(api.SetDimensions(out, dims.data(), x_rank)) && step(api.SetSymbolicDimensions(out, syms.data(), x_rank)))
+        step(api.ShapeInferContext_SetOutputTypeShape(ctx, 0, out));
+    }
+  }
+  if (out) api.ReleaseTensorTypeAndShapeInfo(out);
+  return status;
+}
+
+}  // namespace nmcli

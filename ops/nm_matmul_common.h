@@ -1,0 +1,73 @@
+// What the CPU and CUDA kernels of nmcli.NMMatMul share: the op's signature, its attributes,
+// input validation (the only place that turns bad tensors into messages) and shape inference.
+//
+//   Y = NMMatMul(X, values, indices[, bias]; n, m, k, alpha)
+//   X [..., K] T, values [Nout, S] T, indices [Nout, S*B/32] uint32, bias [Nout] T -> Y [..., Nout] T
+#pragma once
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <string>
+#include <vector>
+
+#include "../kernels/nm_format.h"
+
+namespace nmcli {
+
+constexpr const char* kOpDomain = "nmcli";
+constexpr const char* kOpName = "NMMatMul";
+
+struct NMMatMulAttrs {
+  int n = 0, m = 0;
+  int64_t k = 0;
+  float alpha = 1.0f;
+  static NMMatMulAttrs read(const OrtKernelInfo* info);
+};
+
+// Shapes of one call, checked against the attributes and the format spec.
+struct NMMatMulCall {
+  NMShape shape;
+  int64_t rows = 0;                 // product of X's leading dims
+  std::vector<int64_t> out_dims;    // X's leading dims + [Nout]
+  bool has_bias = false;
+  static NMMatMulCall check(Ort::KernelContext& ctx, const NMMatMulAttrs& attrs);
+};
+
+// Shape inference shared by every kernel of the op: Y keeps X's leading dims (symbolic ones
+// too) and element type, and gets values' first dim as its last.
+OrtStatusPtr infer_output_shape(OrtShapeInferContext* ctx);
+
+// Run `body`, turning any exception into an ORT status (exceptions must not cross the C API).
+template <typename F>
+OrtStatusPtr guarded(F&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
+// The op schema common to all kernels; TOp supplies the kernel type, element type and EP.
+template <typename TOp, typename TKernel>
+struct NMMatMulOpBase : Ort::CustomOpBase<TOp, TKernel, true> {
+  NMMatMulOpBase() { OrtCustomOp::InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* c) { return infer_output_shape(c); }; }
+  const char* GetName() const { return kOpName; }
+  size_t GetInputTypeCount() const { return 4; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32 : TOp::kElementType;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return TOp::kElementType; }
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    return guarded([&] { *kernel = new TKernel(NMMatMulAttrs::read(info)); });
+  }
+};
+
+}  // namespace nmcli
