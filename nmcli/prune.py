@@ -153,28 +153,27 @@ def _gemm_bias(node, cand: Candidate, graph, taken):
 
 def _remove_dead(graph: onnx.GraphProto, chain_nodes: list[onnx.NodeProto]) -> None:
     """Drop folded Transpose/Cast/Constant nodes and initializers nothing reads any more."""
-    def used_names() -> set[str]:
-        names = {o.name for o in graph.output}
-        for node in graph.node:
-            names.update(node.input)
-            names.update(_subgraph_inputs(node))
-        return names
-
-    chain_ids = {id(n) for n in chain_nodes}
-    changed = True
-    while changed:
-        used = used_names()
-        keep = [n for n in graph.node if id(n) not in chain_ids or any(o in used for o in n.output)]
-        changed = len(keep) != len(graph.node)
-        if changed:
-            del graph.node[:]
-            graph.node.extend(keep)
-            chain_ids = {id(n) for n in graph.node} & chain_ids
-    used = used_names()
+    removable = {tuple(n.output) for n in chain_nodes}  # by outputs: node protos are copied around
+    while True:
+        used = _used_names(graph)
+        dead = [i for i, n in enumerate(graph.node) if tuple(n.output) in removable and not used & set(n.output)]
+        if not dead:
+            break
+        for i in reversed(dead):
+            del graph.node[i]
+    used = _used_names(graph)
     live = [t for t in graph.initializer if t.name in used]
     if len(live) != len(graph.initializer):
         del graph.initializer[:]
         graph.initializer.extend(live)
+
+
+def _used_names(graph: onnx.GraphProto) -> set[str]:
+    names = {o.name for o in graph.output}
+    for node in graph.node:
+        names.update(node.input)
+        names.update(_subgraph_inputs(node))
+    return names
 
 
 def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:

@@ -1,0 +1,50 @@
+"""The C++ CPU kernel through nmcli._kernels, against the float64 reference."""
+import numpy as np
+import pytest
+from conftest import FAMILIES
+
+from nmcli import _kernels
+from nmcli.format import NMPattern, pack
+from nmcli.masks import choose_offsets
+from nmcli.reference import nm_matmul_reference, relative_error, tolerance
+
+
+def packed_random(rng, k, nout, pattern, dtype):
+    w = rng.standard_normal((k, nout)).astype(dtype)
+    return pack(w, choose_offsets(np.abs(w), pattern), pattern)
+
+
+@pytest.mark.parametrize("n,m", FAMILIES + [(3, 7)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("x_shape,k,nout", [((1, 64), 64, 1), ((5, 100), 100, 33), ((2, 3, 71), 71, 17),
+                                            ((2, 2, 3, 256), 256, 64), ((33,), 33, 9)])
+def test_matches_reference(rng, n, m, dtype, x_shape, k, nout):
+    if k < m:
+        pytest.skip("K < M is never pruned")
+    packed = packed_random(rng, k, nout, NMPattern(n, m), dtype)
+    x = rng.standard_normal(x_shape).astype(dtype)
+    bias = rng.standard_normal(nout).astype(dtype)
+    alpha = float(rng.uniform(0.5, 2.0))
+    y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, bias, n=n, m=m, k=k, alpha=alpha)
+    ref = nm_matmul_reference(x, packed, bias, alpha)
+    assert y.shape == ref.shape and y.dtype == dtype
+    assert relative_error(y, ref) < tolerance(dtype, k)
+
+
+def test_threads_agree(rng):
+    packed = packed_random(rng, 300, 200, NMPattern(2, 8), np.float32)
+    x = rng.standard_normal((7, 300)).astype(np.float32)
+    one = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=2, m=8, k=300, threads=1)
+    many = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=2, m=8, k=300, threads=4)
+    assert np.array_equal(one, many)
+
+
+def test_rejects_bad_shapes(rng):
+    packed = packed_random(rng, 64, 8, NMPattern(2, 8), np.float32)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match="last dim"):
+        _kernels.nm_matmul_cpu(x[:, :60], packed.values, packed.indices, n=2, m=8, k=64)
+    with pytest.raises(ValueError, match="indices"):
+        _kernels.nm_matmul_cpu(x, packed.values, packed.indices[:, :1], n=2, m=8, k=64)
+    with pytest.raises(ValueError, match="n:m"):
+        _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=8, m=8, k=64)
