@@ -1,6 +1,6 @@
 set(NMCLI_KERNEL_CPU_SOURCES kernels/cpu/nm_matmul_cpu.cc)
 set(NMCLI_OPS_SOURCES ops/register.cc ops/nm_matmul_common.cc ops/nm_matmul_cpu_op.cc)
-file(GLOB NMCLI_KERNEL_CUDA_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/cuda/*.cu)
+set(NMCLI_KERNEL_CUDA_SOURCES kernels/cuda/decode.cu kernels/cuda/tiled.cu kernels/cuda/dispatch.cu)
 
 add_library(nmcli_kernels STATIC ${NMCLI_KERNEL_CPU_SOURCES})
 target_include_directories(nmcli_kernels PUBLIC ${PROJECT_SOURCE_DIR}/kernels)
@@ -29,7 +29,7 @@ install(TARGETS nmcli_ops LIBRARY DESTINATION nmcli/_lib)
 
 find_package(Python COMPONENTS Interpreter Development.Module REQUIRED)
 find_package(pybind11 CONFIG REQUIRED)
-pybind11_add_module(_kernels kernels/bindings.cc)
+pybind11_add_module(_kernels kernels/bindings.cc $<$<BOOL:${NMCLI_WITH_CUDA}>:kernels/cuda/bindings_cuda.cc>)
 target_link_libraries(_kernels PRIVATE nmcli_kernels)
 target_compile_definitions(_kernels PRIVATE ${NMCLI_ARCH_DEFINE})
 install(TARGETS _kernels LIBRARY DESTINATION nmcli)

@@ -34,8 +34,9 @@ py::array run_cpu(const py::array& x, const py::array& values, const py::array& 
                                 std::to_string(shape.row_len));
   if (ia.ndim() != 2 || ia.shape(0) != shape.nout || ia.shape(1) != shape.index_words)
     throw std::invalid_argument("indices must be uint32 [Nout, " + std::to_string(shape.index_words) + "]");
-  py::array ba;
-  if (!bias.is_none()) {
+  py::array ba;  // note: a default py::array is an empty array, not null; test has_bias instead
+  const bool has_bias = !bias.is_none();
+  if (has_bias) {
     ba = as_contiguous(bias, dtype);
     if (ba.ndim() != 1 || ba.shape(0) != shape.nout) throw std::invalid_argument("bias must be [Nout]");
   }
@@ -46,7 +47,7 @@ py::array run_cpu(const py::array& x, const py::array& values, const py::array& 
   args.x = static_cast<const T*>(xa.data());
   args.values = static_cast<const T*>(va.data());
   args.indices = static_cast<const uint32_t*>(ia.data());
-  args.bias = ba ? static_cast<const T*>(ba.data()) : nullptr;
+  args.bias = has_bias ? static_cast<const T*>(ba.data()) : nullptr;
   args.y = static_cast<T*>(y.mutable_data());
   args.rows = k ? xa.size() / k : 0;
   args.alpha = alpha;
@@ -68,7 +69,9 @@ py::array nm_matmul_cpu_py(const py::array& x, const py::array& values, const py
 }  // namespace
 
 #ifdef NMCLI_WITH_CUDA
-void register_cuda_bindings(py::module_& m);  // kernels/cuda/bindings (built with CUDA only)
+namespace nmcli {
+void register_cuda_bindings(py::module_& m);  // kernels/cuda/bindings_cuda.cc
+}
 #endif
 
 PYBIND11_MODULE(_kernels, mod) {
@@ -79,6 +82,8 @@ PYBIND11_MODULE(_kernels, mod) {
           py::arg("threads") = 0,
           "Y = alpha * X @ W + bias on the CPU; W packed per docs/FORMAT.md, dtype from values.");
 #ifdef NMCLI_WITH_CUDA
-  register_cuda_bindings(mod);
+  nmcli::register_cuda_bindings(mod);
+#else
+  mod.attr("HAS_CUDA") = false;
 #endif
 }

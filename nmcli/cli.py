@@ -164,6 +164,59 @@ def info(
         out.print("[yellow]nothing to prune under these settings[/]")
 
 
+bench_app = typer.Typer(help="Measure speed: kernels against cuBLAS dense.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("kernels")
+@handle_errors
+def bench_kernels(
+    nm: List[str] = typer.Option(["2:4", "2:8", "1:4", "4:16", "1:8"], "--nm", help="N:M patterns (repeatable)."),
+    dtype: str = typer.Option("float16", "--dtype", help="float16, bfloat16 or float32."),
+    shapes: str = typer.Option("all", "--shapes", help="all, llama (LLaMA-7B/8B layers, 1..16 rows + 256, 4096) "
+                                                       "or nmsparse (the nmSPARSE operator table)."),
+    rows: List[int] = typer.Option([], "--rows", help="Only these activation row counts (repeatable)."),
+    replays: int = typer.Option(20, "--replays", min=3, help="Timed graph replays per measurement (median)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
+):
+    """Time nmcli's CUDA kernels against cuBLAS dense (CUDA-graph replay, weights rotated past L2)."""
+    from rich.progress import Progress
+
+    from . import bench_kernels as bk
+
+    patterns = [NMPattern.parse(p) for p in nm]
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise NmcliError(f"--dtype must be float16, bfloat16 or float32, not '{dtype}'")
+    if shapes not in ("all", "llama", "nmsparse"):
+        raise NmcliError(f"--shapes must be all, llama or nmsparse, not '{shapes}'")
+    torch = bk.require_gpu()
+    todo = [s for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse") if not rows or s[0] in rows]
+    props = torch.cuda.get_device_properties(0)
+    copy_gbps = bk.copy_bandwidth(torch)
+    results = []
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(todo) * len(patterns))
+        for (m, k, n) in todo:
+            for pattern in patterns:
+                progress.update(task, description=f"{m}x{k}x{n} {pattern}")
+                results.append(bk.bench_shape(torch, m, k, n, pattern, dtype, copy_gbps, props.L2_cache_size, replays))
+                progress.advance(task)
+    if as_json:
+        print(json.dumps({"gpu": props.name, "copy_gbps": copy_gbps, "dtype": dtype, "rows": bk.as_dicts(results)},
+                         indent=2))
+        return
+    table = Table(title=f"{props.name}: nmcli kernels vs cuBLAS dense ({dtype}; copy bandwidth {copy_gbps:.0f} GB/s)",
+                  header_style="bold")
+    for col in ("M", "K", "N", "N:M", "path", "ours ms", "cuBLAS ms", "speedup", "GB/s", "% copy BW", "TFLOP/s",
+                "cuBLAS TFLOP/s"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(str(r.m), str(r.k), str(r.n), r.nm, r.path, f"{r.ours_ms:.4f}", f"{r.cublas_ms:.4f}",
+                      f"{r.speedup:.2f}x", f"{r.gbps:.0f}", f"{r.pct_copy_bw:.0f}%", f"{r.tflops:.1f}",
+                      f"{r.cublas_tflops:.1f}")
+    out.print(table)
+
+
 @app.command("ops-path")
 @handle_errors
 def ops_path():

@@ -56,5 +56,9 @@ def session(model, providers=None, sess_options=None, **kwargs):
         model = os.fspath(model)
         if not Path(model).is_file():
             raise ModelError(f"{model}: no such file")
-    return ort.InferenceSession(model, sess_options=session_options(sess_options),
-                                providers=providers or ["CPUExecutionProvider"], **kwargs)
+    providers = providers or ["CPUExecutionProvider"]
+    names = [p[0] if isinstance(p, tuple) else p for p in providers]
+    if "CUDAExecutionProvider" in names and hasattr(ort, "preload_dlls"):
+        # CUDA libraries may come from pip wheels (nvidia-*), which the EP does not search itself.
+        ort.preload_dlls(directory="")
+    return ort.InferenceSession(model, sess_options=session_options(sess_options), providers=providers, **kwargs)

@@ -141,3 +141,10 @@ def test_unwritable_output_directory(tmp_path, model_file):
 
 def test_bad_regex(tmp_path, model_file):
     assert_one_line_error(run("prune", model_file, "--include", "(", cwd=tmp_path), "regular expression")
+
+
+def test_bench_kernels_without_gpu_says_so(tmp_path):
+    from conftest import has_cuda_gpu
+    if has_cuda_gpu():
+        pytest.skip("this machine has a GPU")
+    assert_one_line_error(run("bench", "kernels", "--nm", "2:8", cwd=tmp_path), "bench kernels")

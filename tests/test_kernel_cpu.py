@@ -23,7 +23,7 @@ def test_matches_reference(rng, n, m, dtype, x_shape, k, nout):
         pytest.skip("K < M is never pruned")
     packed = packed_random(rng, k, nout, NMPattern(n, m), dtype)
     x = rng.standard_normal(x_shape).astype(dtype)
-    bias = rng.standard_normal(nout).astype(dtype)
+    bias = rng.standard_normal(nout).astype(dtype) if rng.random() < 0.5 else None
     alpha = float(rng.uniform(0.5, 2.0))
     y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, bias, n=n, m=m, k=k, alpha=alpha)
     ref = nm_matmul_reference(x, packed, bias, alpha)
@@ -48,3 +48,16 @@ def test_rejects_bad_shapes(rng):
         _kernels.nm_matmul_cpu(x, packed.values, packed.indices[:, :1], n=2, m=8, k=64)
     with pytest.raises(ValueError, match="n:m"):
         _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=8, m=8, k=64)
+
+
+def test_library_reports_cuda_when_built_with_nvcc():
+    """CI has nvcc: the CUDA kernels and the CUDA op must have been compiled in."""
+    import os
+    import shutil
+
+    import nmcli
+    if not (shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")):
+        pytest.skip("no CUDA toolkit on this machine")
+    info = nmcli.build_info()
+    assert info["cuda"] is True and "90" in info["cuda_archs"]
+    assert _kernels.HAS_CUDA and _kernels.cuda_path(1, 2, 8, 4096, 4096) == "decode"

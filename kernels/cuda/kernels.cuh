@@ -1,0 +1,30 @@
+// Parameters and launchers of the CUDA paths (internal to kernels/cuda).
+#pragma once
+#include "common.cuh"
+
+namespace nmcli {
+
+// Fields shared by every path: the call, typed.
+template <typename T>
+struct PathParams {
+  const T* x;
+  const T* values;
+  const uint32_t* indices;
+  const T* bias;
+  T* y;
+  int64_t rows, k, nout, groups, row_len, index_words;
+  int n, m, bits;
+  float alpha;
+};
+
+template <typename T>
+struct DecodeParamsT : PathParams<T> {
+  int64_t chunk_groups;   // groups staged per shared-memory chunk
+  int staged_positions;   // positions staged per chunk (chunk + slack)
+  int log2n;
+};
+
+template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t stream);
+template <typename T> cudaError_t run_tiled(PathParams<T> p, cudaStream_t stream);
+
+}  // namespace nmcli

@@ -1,0 +1,33 @@
+// CUDA entry point for Y = alpha * (X @ W) + bias with W packed per docs/FORMAT.md.
+// Type-erased so the ORT op and the pybind module share one dispatch; all pointers are device
+// pointers, the call is asynchronous on `stream` and allocates nothing.
+#pragma once
+#include <cstdint>
+
+#include "../nm_format.h"
+
+namespace nmcli {
+
+enum class DType { f32 = 0, f16 = 1, bf16 = 2 };
+enum class CudaPath { automatic = 0, decode = 1, tiled = 2 };
+
+struct CudaMatMul {
+  DType dtype = DType::f16;
+  const void* x = nullptr;            // [rows, K]
+  const void* values = nullptr;       // [Nout, S]
+  const uint32_t* indices = nullptr;  // [Nout, S*B/32]
+  const void* bias = nullptr;         // [Nout] or null
+  void* y = nullptr;                  // [rows, Nout]
+  int64_t rows = 0;
+  float alpha = 1.0f;
+  NMShape shape;
+};
+
+// Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).
+CudaPath choose_path(const CudaMatMul& call);
+const char* path_name(CudaPath path);
+
+// Returns a cudaError_t as int (0 = success) so callers need no CUDA headers.
+int nm_matmul_cuda(const CudaMatMul& call, void* stream, CudaPath path = CudaPath::automatic);
+
+}  // namespace nmcli

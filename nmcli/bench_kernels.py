@@ -1,0 +1,152 @@
+"""Kernel micro-benchmark: our CUDA paths against cuBLAS dense on the same GPU, same method.
+
+Method (the same for every number we publish):
+  * several buffer sets, together larger than twice the L2, are rotated so each call reads its
+    weight from HBM, not from the cache;
+  * one CUDA graph holds one launch per set; graphs are replayed and timed with CUDA events;
+    the time per call is the median over replays divided by the launches per graph;
+  * the ceilings are measured in the same process: device-to-device copy bandwidth (bytes read
+    plus written) and, per shape, cuBLAS dense through torch.matmul.
+It needs PyTorch for device buffers and for cuBLAS; nmcli's kernels are called directly.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .errors import NmcliError
+from .format import NMPattern, PackedShape, pack
+from .masks import choose_offsets
+
+NMSPARSE_MS = [1, 256, 1024, 4096]
+NMSPARSE_KN = [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (1024, 4096), (4096, 1024),
+               (5120, 20480), (20480, 5120)]
+LLAMA_KN = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096)]
+DECODE_MS = [1, 2, 4, 8, 16]
+
+
+@dataclass
+class KernelRow:
+    m: int
+    k: int
+    n: int
+    nm: str
+    dtype: str
+    path: str
+    ours_ms: float
+    cublas_ms: float
+    speedup: float
+    bytes_moved: int
+    gbps: float
+    pct_copy_bw: float
+    tflops: float          # effective: 2*m*k*n / time
+    cublas_tflops: float
+
+
+def require_gpu():
+    try:
+        import torch
+    except ImportError:
+        raise NmcliError("nmcli bench kernels needs PyTorch for device buffers and cuBLAS (pip install torch)") from None
+    if not torch.cuda.is_available():
+        raise NmcliError("no CUDA GPU available: nmcli bench kernels measures GPU kernels")
+    from . import _kernels
+    if not getattr(_kernels, "HAS_CUDA", False):
+        raise NmcliError("this nmcli was built without CUDA (no nvcc at install time)")
+    return torch
+
+
+def _time_graph(torch, launch_all, replays: int) -> float:
+    """Median milliseconds of one replay of a graph that runs launch_all()."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch_all()  # warm-up outside capture (module load, lazy init)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            launch_all()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(torch, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, bytes read plus written per second (GB/s)."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_graph(torch, lambda: dst.copy_(src), replays=20)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _sets_for(l2_bytes: int, bytes_per_set: int) -> int:
+    return int(min(64, max(2, -(-4 * l2_bytes // max(bytes_per_set, 1)))))
+
+
+def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float, l2_bytes: int,
+                replays: int = 20, rng=None) -> KernelRow:
+    from . import _kernels
+
+    rng = rng or np.random.default_rng()
+    tdtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    itemsize = torch.tensor([], dtype=tdtype).element_size()
+    shape = PackedShape(k, n, pattern)
+    # One packed weight from real random data, replicated on the device per set (same bytes).
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
+    values = torch.from_numpy(packed.values).to("cuda", tdtype)
+    indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
+    per_set = values.numel() * itemsize + indices.numel() * 4 + (m * k + m * n) * itemsize
+    sets = _sets_for(l2_bytes, per_set)
+    vs = [values.clone() for _ in range(sets)]
+    ids = [indices.clone() for _ in range(sets)]
+    xs = [torch.randn(m, k, device="cuda", dtype=tdtype) for _ in range(sets)]
+    ys = [torch.empty(m, n, device="cuda", dtype=tdtype) for _ in range(sets)]
+    path = _kernels.cuda_path(m, pattern.n, pattern.m, k, n)
+
+    def ours():
+        stream = torch.cuda.current_stream().cuda_stream
+        for i in range(sets):
+            _kernels.nm_matmul_cuda(xs[i].data_ptr(), vs[i].data_ptr(), ids[i].data_ptr(), 0, ys[i].data_ptr(), m,
+                                    pattern.n, pattern.m, k, n, dtype, 1.0, stream, "auto")
+
+    ours_ms = _time_graph(torch, ours, replays) / sets
+    del vs, ids
+    dense_sets = _sets_for(l2_bytes, k * n * itemsize)
+    ws = [torch.randn(k, n, device="cuda", dtype=tdtype) for _ in range(dense_sets)]
+    xd = [xs[i % sets] for i in range(dense_sets)]
+    yd = [torch.empty(m, n, device="cuda", dtype=tdtype) for _ in range(dense_sets)]
+
+    def dense():
+        for i in range(dense_sets):
+            torch.matmul(xd[i], ws[i], out=yd[i])
+
+    cublas_ms = _time_graph(torch, dense, replays) / dense_sets
+    moved = shape.packed_bytes(itemsize) + (m * k + m * n) * itemsize
+    gbps = moved / (ours_ms * 1e-3) / 1e9
+    flops = 2.0 * m * k * n
+    return KernelRow(m, k, n, str(pattern), dtype, path, ours_ms, cublas_ms, cublas_ms / ours_ms, moved, gbps,
+                     100.0 * gbps / copy_gbps, flops / (ours_ms * 1e-3) / 1e12, flops / (cublas_ms * 1e-3) / 1e12)
+
+
+def default_shapes(include_nmsparse=True, include_llama=True) -> list[tuple[int, int, int]]:
+    shapes = []
+    if include_llama:
+        shapes += [(m, k, n) for (k, n) in LLAMA_KN for m in DECODE_MS + [256, 4096]]
+    if include_nmsparse:
+        shapes += [(m, k, n) for (k, n) in NMSPARSE_KN for m in NMSPARSE_MS if (m, k, n) not in shapes]
+    return shapes
+
+
+def as_dicts(rows: list[KernelRow]) -> list[dict]:
+    return [asdict(r) for r in rows]
