@@ -21,7 +21,7 @@ constexpr int kRowsPerWarp = 2;
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
 constexpr int kSmemFloats = 16384 + 16384 / 32 + 64;  // ~66 KB of staged activations
 
-__device__ __forceinline__ int skew(int k) { return k + (k >> 5); }
+__host__ __device__ __forceinline__ int skew(int k) { return k + (k >> 5); }
 
 template <typename T, int R, bool kPow2N>
 __global__ void __launch_bounds__(kWarps * 32) decode_kernel(DecodeParamsT<T> p) {
