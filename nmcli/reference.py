@@ -16,7 +16,9 @@ def nm_matmul_reference(x: np.ndarray, packed: PackedWeight, bias: np.ndarray | 
 
 
 def unit_roundoff(dtype) -> float:
-    return {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[np.dtype(dtype).name]
+    """dtype: a NumPy dtype or a name ("bfloat16" has no NumPy dtype without ml_dtypes)."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    return {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[name]
 
 
 def tolerance(dtype, k: int) -> float:

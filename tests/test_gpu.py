@@ -52,8 +52,7 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
         x = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
         bias = torch.from_numpy(bias).to(torch.bfloat16).float().numpy()
     ref = nm_matmul_reference(x, packed, bias, alpha=0.75)
-    tol = tolerance({"float16": np.float16, "float32": np.float32}.get(dtype_name, "bfloat16"), k) \
-        if dtype_name != "bfloat16" else 2 * 2.0**-8 + 2 * np.sqrt(k) * 2.0**-24
+    tol = tolerance(dtype_name, k)
     paths = ["tiled", "auto"] + (["decode"] if rows <= 8 else [])
     for path in paths:
         y = run_cuda(x, packed, bias, 0.75, dtype_name, path)
