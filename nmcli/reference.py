@@ -6,13 +6,24 @@ import numpy as np
 from .format import PackedWeight, unpack
 
 
+def dense_reference(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
+                    alpha: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(alpha * x @ w + bias, |alpha| * |x| @ |w| + |bias|) in float64.
+
+    The second is the scale of fp32 accumulation error: cancellation can make the product
+    itself tiny, but the rounding errors of its terms stay proportional to this.
+    """
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    y, magnitude = alpha * (x64 @ w64), abs(alpha) * (np.abs(x64) @ np.abs(w64))
+    if bias is not None:
+        y, magnitude = y + bias.astype(np.float64), magnitude + np.abs(bias.astype(np.float64))
+    return y, magnitude
+
+
 def nm_matmul_reference(x: np.ndarray, packed: PackedWeight, bias: np.ndarray | None = None,
                         alpha: float = 1.0) -> np.ndarray:
     """alpha * x @ W' + bias in float64, W' the dense pruned weight the packed tensors encode."""
-    y = alpha * (x.astype(np.float64) @ unpack(packed).astype(np.float64))
-    if bias is not None:
-        y = y + bias.astype(np.float64)
-    return y
+    return dense_reference(x, unpack(packed), bias, alpha)[0]
 
 
 def unit_roundoff(dtype) -> float:
@@ -21,9 +32,15 @@ def unit_roundoff(dtype) -> float:
     return {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[name]
 
 
-def tolerance(dtype, k: int) -> float:
-    """Bound for ||y - ref|| / ||ref||: the output's rounding plus fp32 accumulation over K terms."""
-    return 2.0 * unit_roundoff(dtype) + 2.0 * np.sqrt(k) * 2.0**-24
+def error_ratio(y: np.ndarray, ref: np.ndarray, magnitude: np.ndarray, dtype, k: int) -> float:
+    """||y - ref|| over its bound, the output's rounding (2u ||ref||) plus fp32 accumulation over
+    K terms (2 sqrt(K) 2^-24 ||magnitude||); below 1 passes. Non-finite output gives inf."""
+    y = y.astype(np.float64)
+    if not np.all(np.isfinite(y)):
+        return float("inf")
+    bound = 2.0 * unit_roundoff(dtype) * np.linalg.norm(ref) + 2.0 * np.sqrt(k) * 2.0**-24 * np.linalg.norm(magnitude)
+    error = np.linalg.norm(y - ref)
+    return float(error / bound) if bound else (0.0 if error == 0 else float("inf"))
 
 
 def relative_error(y: np.ndarray, ref: np.ndarray) -> float:
