@@ -24,6 +24,7 @@ def main(model_path: str, use_cuda: bool) -> np.ndarray:
         dtype = np.float16 if inp.type == "tensor(float16)" else np.float32
         feeds[inp.name] = np.random.default_rng(0).standard_normal(shape).astype(dtype)
     outputs = session.run(None, feeds)
+    print(f"provider: {session.get_providers()[0]}")
     for meta, value in zip(session.get_outputs(), outputs):
         print(f"{meta.name}: shape {value.shape}, dtype {value.dtype}, mean {float(np.mean(value)):+.5f}")
     return outputs[0]

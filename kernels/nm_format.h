@@ -16,7 +16,7 @@ constexpr int kMaxM = 32;
 constexpr int kRowAlign = 32;  // stored entries per row are padded to a multiple of this
 
 // B = ceil(log2 M): bits of one stored offset.
-NM_HD int index_bits(int m) {
+NM_HD constexpr int index_bits(int m) {
   int b = 1;
   while ((1 << b) < m) ++b;
   return b;

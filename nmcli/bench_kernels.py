@@ -93,8 +93,17 @@ def _sets_for(l2_bytes: int, bytes_per_set: int) -> int:
     return int(min(64, max(2, -(-4 * l2_bytes // max(bytes_per_set, 1)))))
 
 
+def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str) -> str | None:
+    """The path a call runs on: the dispatch's choice for "auto", else `path` if it can run it."""
+    from . import _kernels
+
+    if path == "auto":
+        return _kernels.cuda_path(m, pattern.n, pattern.m, k, n, dtype)
+    return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype) else None
+
+
 def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float, l2_bytes: int,
-                replays: int = 20, rng=None) -> KernelRow:
+                replays: int = 20, rng=None, path: str = "auto") -> KernelRow:
     from . import _kernels
 
     rng = rng or np.random.default_rng()
@@ -112,13 +121,15 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
     ids = [indices.clone() for _ in range(sets)]
     xs = [torch.randn(m, k, device="cuda", dtype=tdtype) for _ in range(sets)]
     ys = [torch.empty(m, n, device="cuda", dtype=tdtype) for _ in range(sets)]
-    path = _kernels.cuda_path(m, pattern.n, pattern.m, k, n)
+    chosen = path_for(m, k, n, pattern, dtype, path)
+    if chosen is None:
+        raise NmcliError(f"the {path} path cannot run {m}x{k}x{n} {pattern} {dtype}")
 
     def ours():
         stream = torch.cuda.current_stream().cuda_stream
         for i in range(sets):
             _kernels.nm_matmul_cuda(xs[i].data_ptr(), vs[i].data_ptr(), ids[i].data_ptr(), 0, ys[i].data_ptr(), m,
-                                    pattern.n, pattern.m, k, n, dtype, 1.0, stream, "auto")
+                                    pattern.n, pattern.m, k, n, dtype, 1.0, stream, chosen)
 
     ours_ms = _time_graph(torch, ours, replays) / sets
     del vs, ids
@@ -135,7 +146,7 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
     moved = shape.packed_bytes(itemsize) + (m * k + m * n) * itemsize
     gbps = moved / (ours_ms * 1e-3) / 1e9
     flops = 2.0 * m * k * n
-    return KernelRow(m, k, n, str(pattern), dtype, path, ours_ms, cublas_ms, cublas_ms / ours_ms, moved, gbps,
+    return KernelRow(m, k, n, str(pattern), dtype, chosen, ours_ms, cublas_ms, cublas_ms / ours_ms, moved, gbps,
                      100.0 * gbps / copy_gbps, flops / (ours_ms * 1e-3) / 1e12, flops / (cublas_ms * 1e-3) / 1e12)
 
 

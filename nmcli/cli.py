@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 from rich.table import Table
 
 from .errors import NmcliError
@@ -164,8 +165,132 @@ def info(
         out.print("[yellow]nothing to prune under these settings[/]")
 
 
-bench_app = typer.Typer(help="Measure speed: kernels against cuBLAS dense.", no_args_is_help=True)
+class _BenchGroup(TyperGroup):
+    """`nmcli bench MODEL ...` runs the `model` subcommand; `nmcli bench kernels` the kernel one."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["model", *args]
+        return super().parse_args(ctx, args)
+
+
+bench_app = typer.Typer(cls=_BenchGroup, no_args_is_help=True,
+                        help="Measure speed: a model dense vs N:M (`nmcli bench MODEL --nm 2:8`), or the kernels.")
 app.add_typer(bench_app, name="bench")
+
+BENCH_SHAPE_HELP = "Input shape for every setting, NAME=DIMS like input_ids=1x128 (repeatable)."
+
+
+def _bench_and_print(dense, sparse, *, device, tokens, batch, shape, warmup, runs, as_json, dense_path=None,
+                     sparse_path=None, extra=None):
+    from rich.progress import Progress
+
+    from . import benchmodel as bm
+    from .inputs import parse_shape_overrides
+
+    overrides = parse_shape_overrides(shape)
+    chosen, _ = bm.pick_device(device)
+    settings = bm.default_settings(chosen, tokens, batch)
+    if overrides and not tokens and all(s.name in overrides for s in bm.input_specs(dense)):
+        settings = [("custom", batch, 1)]  # every input fixed by --shape: one setting
+    runs = runs or (100 if chosen == "cuda" else 20)
+    warmup = warmup if warmup is not None else (10 if chosen == "cuda" else 3)
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("loading", total=None)
+        report = bm.bench_pair(dense, sparse, settings, overrides, device=chosen, warmup=warmup, runs=runs,
+                               dense_path=dense_path, sparse_path=sparse_path,
+                               progress=lambda what: progress.update(task, description=what))
+    for note in report.notes:
+        err.print(f"[yellow]warning:[/] {note}", highlight=False)
+    if as_json:
+        print(json.dumps({**(extra or {}), **report.to_dict()}, indent=2))
+        return report
+    for table in bm.report_tables(report):
+        out.print(table)
+    return report
+
+
+@bench_app.command("model")
+@handle_errors
+def bench_model(
+    model: Path = typer.Argument(..., help="Dense ONNX model."),
+    nm: Optional[str] = typer.Option(None, "--nm", help="Prune in memory to this N:M and compare. " + NM_HELP),
+    sparse: Optional[Path] = typer.Option(None, "--sparse", help="Compare against this already converted model."),
+    method: str = typer.Option("magnitude", "--method", help="Pruning criterion with --nm."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when there is a GPU), cuda or cpu."),
+    tokens: List[int] = typer.Option([], "--tokens", min=1, help="Sequence lengths to sweep "
+                                     "[default: 1 and 512 on a GPU, 1 and 64 on a CPU]."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Batch size (first free dim of each input)."),
+    shape: List[str] = typer.Option([], "--shape", help=BENCH_SHAPE_HELP),
+    warmup: Optional[int] = typer.Option(None, "--warmup", min=0, help="Warm-up runs [default: 10 GPU, 3 CPU]."),
+    runs: Optional[int] = typer.Option(None, "--runs", min=3, help="Timed runs [default: 100 GPU, 20 CPU]."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+):
+    """Dense vs N:M in ONNX Runtime: latency (p10/p50/p90), op time split, size, memory, agreement, energy."""
+    from .modelio import load_model
+    from .prune import get_criterion, prune_model
+
+    if (nm is None) == (sparse is None):
+        raise NmcliError("give exactly one of --nm N:M (prune in memory) or --sparse MODEL (compare two files)")
+    dense = load_model(model)
+    if sparse is not None:
+        sparse_model = load_model(sparse)
+        extra = {"dense_model": str(model), "sparse_model": str(sparse)}
+    else:
+        pattern = NMPattern.parse(nm)
+        sparse_model, prune_report = prune_model(dense, Selection(pattern), criterion=get_criterion(method))
+        extra = {"dense_model": str(model), "nm": str(pattern), "method": prune_report.method,
+                 "pruned_layers": len(prune_report.layers)}
+    _bench_and_print(dense, sparse_model, device=device, tokens=tokens, batch=batch, shape=shape, warmup=warmup,
+                     runs=runs, as_json=as_json, dense_path=str(model), sparse_path=str(sparse) if sparse else None,
+                     extra=extra)
+
+
+@app.command()
+@handle_errors
+def demo(
+    nm: str = typer.Option("2:8", "--nm", help=NM_HELP),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when there is a GPU), cuda or cpu."),
+    hidden: Optional[int] = typer.Option(None, "--hidden", min=8, help="Hidden size [default: 4096 GPU, 512 CPU]."),
+    ffn: Optional[int] = typer.Option(None, "--ffn", min=8, help="MLP size [default: 11008 GPU, 1408 CPU]."),
+    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads [default: 32 GPU, 8 CPU]."),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Decoder layers [default: 1 GPU, 2 CPU]."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float16 or float32 [default: float16 GPU, float32 CPU]."),
+    tokens: List[int] = typer.Option([], "--tokens", min=1, help="Sequence lengths to sweep."),
+    runs: Optional[int] = typer.Option(None, "--runs", min=3, help="Timed runs per setting."),
+    output_dir: Path = typer.Option(Path("nmcli-demo"), "--output-dir", help="Where the two models are saved."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+):
+    """Build a LLaMA-style decoder block, save it, prune it to N:M and bench dense vs sparse."""
+    import numpy as np
+
+    from . import benchmodel as bm
+    from .llama import CPU_DEFAULT, GPU_DEFAULT, LlamaConfig, llama_model
+    from .modelio import save_model
+    from .prune import prune_model
+
+    pattern = NMPattern.parse(nm)
+    chosen, _ = bm.pick_device(device)
+    base = GPU_DEFAULT if chosen == "cuda" else CPU_DEFAULT
+    config = LlamaConfig(hidden=hidden or base.hidden, ffn=ffn or base.ffn, heads=heads or base.heads,
+                         layers=layers or base.layers, dtype=dtype or base.dtype).check()
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NmcliError(f"--output-dir {output_dir}: exists and is not a directory")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    dense_path, sparse_path = output_dir / "llama-block.onnx", output_dir / f"llama-block.{pattern.n}-{pattern.m}.onnx"
+    with err.status(f"building a {config.layers}-layer LLaMA-style block (hidden {config.hidden}, MLP {config.ffn}, "
+                    f"{config.dtype}, {config.params / 1e6:.0f}M parameters) and pruning it to {pattern}"):
+        dense = llama_model(config, np.random.default_rng(seed))
+        save_model(dense, dense_path)
+        sparse, prune_report = prune_model(dense, Selection(pattern))
+        save_model(sparse, sparse_path)
+    if not as_json:
+        out.print(f"[green]saved[/] {dense_path} and {sparse_path} ({len(prune_report.layers)} layers pruned to {pattern})")
+    _bench_and_print(dense, sparse, device=chosen, tokens=tokens, batch=1, shape=[], warmup=None, runs=runs,
+                     as_json=as_json, dense_path=str(dense_path), sparse_path=str(sparse_path),
+                     extra={"config": config.to_dict(), "nm": str(pattern), "dense_model": str(dense_path),
+                            "sparse_model": str(sparse_path)})
 
 
 @bench_app.command("kernels")
@@ -177,6 +302,8 @@ def bench_kernels(
                                                        "or nmsparse (the nmSPARSE operator table)."),
     rows: List[int] = typer.Option([], "--rows", help="Only these activation row counts (repeatable)."),
     replays: int = typer.Option(20, "--replays", min=3, help="Timed graph replays per measurement (median)."),
+    path: str = typer.Option("auto", "--path", help="auto (the dispatch's choice), decode, mma or tiled; "
+                                                   "calls a forced path cannot run are skipped."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
 ):
     """Time nmcli's CUDA kernels against cuBLAS dense (CUDA-graph replay, weights rotated past L2)."""
@@ -189,18 +316,23 @@ def bench_kernels(
         raise NmcliError(f"--dtype must be float16, bfloat16 or float32, not '{dtype}'")
     if shapes not in ("all", "llama", "nmsparse"):
         raise NmcliError(f"--shapes must be all, llama or nmsparse, not '{shapes}'")
+    if path not in ("auto", "decode", "mma", "tiled"):
+        raise NmcliError(f"--path must be auto, decode, mma or tiled, not '{path}'")
     torch = bk.require_gpu()
-    todo = [s for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse") if not rows or s[0] in rows]
+    todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse") if not rows or s[0] in rows
+            for p in patterns if bk.path_for(*s, p, dtype, path)]
+    if not todo:
+        raise NmcliError(f"the {path} path runs none of the selected shapes")
     props = torch.cuda.get_device_properties(0)
     copy_gbps = bk.copy_bandwidth(torch)
     results = []
     with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(todo) * len(patterns))
-        for (m, k, n) in todo:
-            for pattern in patterns:
-                progress.update(task, description=f"{m}x{k}x{n} {pattern}")
-                results.append(bk.bench_shape(torch, m, k, n, pattern, dtype, copy_gbps, props.L2_cache_size, replays))
-                progress.advance(task)
+        task = progress.add_task("benchmarking", total=len(todo))
+        for (m, k, n), pattern in todo:
+            progress.update(task, description=f"{m}x{k}x{n} {pattern}")
+            results.append(bk.bench_shape(torch, m, k, n, pattern, dtype, copy_gbps, props.L2_cache_size, replays,
+                                          path=path))
+            progress.advance(task)
     if as_json:
         print(json.dumps({"gpu": props.name, "copy_gbps": copy_gbps, "dtype": dtype, "rows": bk.as_dicts(results)},
                          indent=2))

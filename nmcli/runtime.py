@@ -26,13 +26,39 @@ def ops_library_path() -> str:
 @functools.lru_cache(maxsize=1)
 def build_info() -> dict:
     """What the op library was compiled with, e.g. {'cpu': True, 'cuda': True, 'cuda_archs': '90'}."""
-    lib = ctypes.CDLL(ops_library_path())
+    lib = _library()
     lib.nmcli_ops_build_info.restype = ctypes.c_char_p
     info = {}
     for item in lib.nmcli_ops_build_info().decode().split(";"):
         key, _, value = item.partition("=")
         info[key] = value == "1" if key in ("cpu", "cuda") else value
     return info
+
+
+@functools.lru_cache(maxsize=1)
+def _library():
+    lib = ctypes.CDLL(ops_library_path())  # the same handle ONNX Runtime loads, so the same timer
+    lib.nmcli_op_timing_enable.argtypes = [ctypes.c_int]
+    lib.nmcli_op_timing_read.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_longlong)]
+    return lib
+
+
+def set_op_timing(on: bool) -> None:
+    """Switch the op library's own kernel timer (host clock on CPU, CUDA events on GPU)."""
+    _library().nmcli_op_timing_enable(int(on))
+
+
+def read_op_timing() -> tuple[float, int]:
+    """Milliseconds spent in nmcli.NMMatMul kernels and the number of calls since the last read."""
+    total, calls = ctypes.c_double(), ctypes.c_longlong()
+    _library().nmcli_op_timing_read(ctypes.byref(total), ctypes.byref(calls))
+    return total.value, calls.value
+
+
+def cuda_device_count() -> int:
+    """GPUs the CUDA kernels can use (0 without a CUDA build, driver or GPU)."""
+    from . import _kernels
+    return _kernels.cuda_device_count() if getattr(_kernels, "HAS_CUDA", False) else 0
 
 
 def session_options(options=None):

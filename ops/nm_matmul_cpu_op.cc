@@ -2,6 +2,7 @@
 #include "nm_matmul_cpu_op.h"
 
 #include "../kernels/cpu/nm_matmul_cpu.h"
+#include "op_timer.h"
 
 namespace nmcli {
 namespace {
@@ -28,6 +29,7 @@ struct CpuKernel {
       args.rows = call.rows;
       args.alpha = attrs_.alpha;
       args.shape = call.shape;
+      HostTimer timer;
       NMMatMulCpu<T> op(args);
       // ORT's intra-op thread pool runs the column blocks.
       ctx.ParallelFor(&run_blocks<T>, static_cast<size_t>(op.num_blocks()), 0, &op);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "../kernels/cuda/nm_matmul_cuda.h"
+#include "op_timer.h"
 
 namespace nmcli {
 namespace {
@@ -28,7 +29,9 @@ struct CudaKernel {
       m.rows = call.rows;
       m.alpha = attrs_.alpha;
       m.shape = call.shape;
-      const int err = nm_matmul_cuda(m, ctx.GetGPUComputeStream());
+      void* stream = ctx.GetGPUComputeStream();
+      StreamTimer timer(stream);
+      const int err = nm_matmul_cuda(m, stream);
       if (err != 0) throw Ort::Exception("nmcli.NMMatMul: CUDA error " + std::to_string(err), ORT_EP_FAIL);
     });
   }

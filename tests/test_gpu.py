@@ -35,10 +35,11 @@ def run_cuda(x, packed, bias, alpha, dtype_name, path):
     return y.float().cpu().numpy().astype(np.float64)
 
 
-@pytest.mark.parametrize("n,m", FAMILIES + [(3, 7)])
+@pytest.mark.parametrize("n,m", FAMILIES + [(3, 7), (4, 8), (8, 16)])
 @pytest.mark.parametrize("dtype_name", ["float16", "float32", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (2, 1000, 64), (3, 777, 33), (5, 300, 1), (8, 4099, 130),
-                                         (9, 515, 200), (64, 1024, 96), (100, 333, 65)])
+                                         (9, 515, 200), (16, 2048, 77), (17, 130, 300), (64, 1024, 96),
+                                         (100, 333, 65), (1100, 264, 3900), (1100, 200, 3900)])
 def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
     pattern = NMPattern(n, m)
     np_dtype = np.float16 if dtype_name == "float16" else np.float32
@@ -52,7 +53,7 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
         x = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
         bias = torch.from_numpy(bias).to(torch.bfloat16).float().numpy()
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
-    paths = ["tiled", "auto"] + (["decode"] if rows <= 8 else [])
+    paths = ["auto"] + [p for p in ("decode", "mma", "tiled") if kernels.cuda_path_supported(p, rows, n, m, dtype_name)]
     for path in paths:
         y = run_cuda(x, packed, bias, 0.75, dtype_name, path)
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
@@ -110,3 +111,42 @@ def test_ort_cuda_io_binding_and_cuda_graph(rng):
         sess.run_with_iobinding(binding)
         (fresh,) = nmcli.session(pruned).run(None, {"x": x_dev.numpy()})
         assert relative_error(y_dev.numpy(), fresh.astype(np.float64)) < 2e-3
+
+
+def test_serve_example_on_cuda(tmp_path, rng):
+    """examples/serve.py --cuda runs the converted model on the CUDA EP and agrees with the CPU EP."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    import onnx
+    root = pathlib.Path(__file__).resolve().parents[1]
+    path = tmp_path / "block.nm.onnx"
+    onnx.save_model(_pruned_block(rng, np.float16), str(path))
+    result = subprocess.run([sys.executable, str(root / "examples" / "serve.py"), str(path), "--cuda"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "provider: CUDAExecutionProvider" in result.stdout
+    spec = importlib.util.spec_from_file_location("serve", root / "examples" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    y_cuda, y_cpu = serve.main(str(path), True), serve.main(str(path), False)
+    assert relative_error(y_cuda, y_cpu.astype(np.float64)) < 2e-3
+
+
+def test_bench_model_on_cuda(tmp_path):
+    """nmcli bench on the CUDA EP: IO binding, the op timer's CUDA events, memory readings."""
+    import json
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "nmcli", "demo", "--hidden", "512", "--ffn", "1024", "--heads", "8",
+                             "--layers", "1", "--runs", "10", "--tokens", "1", "--tokens", "64", "--output-dir",
+                             str(tmp_path / "demo"), "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["provider"] == "CUDAExecutionProvider"
+    assert report["dense"]["gpu_bytes"] > report["sparse"]["gpu_bytes"] > 0
+    for s in report["settings"]:
+        assert 0 < s["nm_op_ms"] < s["sparse"]["p50_ms"]
+        assert s["agreement"][0]["cosine"] > 0.3

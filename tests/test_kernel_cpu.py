@@ -60,4 +60,15 @@ def test_library_reports_cuda_when_built_with_nvcc():
         pytest.skip("no CUDA toolkit on this machine")
     info = nmcli.build_info()
     assert info["cuda"] is True and "90" in info["cuda_archs"]
-    assert _kernels.HAS_CUDA and _kernels.cuda_path(1, 2, 8, 4096, 4096) == "decode"
+    assert _kernels.HAS_CUDA
+    # The dispatch rule (kernels/cuda/dispatch.cu): decode up to 16 rows, tensor cores for
+    # fp16/bf16 with M in {2, 4, 8, 16}, the SIMT tiled path for everything else.
+    assert _kernels.cuda_path(1, 2, 8, 4096, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(16, 2, 8, 4096, 4096, "float32") == "decode"
+    assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float16") == "mma"
+    assert _kernels.cuda_path(4096, 4, 16, 4096, 4096, "bfloat16") == "mma"
+    assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float32") == "tiled"
+    assert _kernels.cuda_path(17, 3, 7, 4096, 4096, "float16") == "tiled"
+    assert _kernels.cuda_path(17, 16, 32, 4096, 4096, "float16") == "tiled"
+    assert not _kernels.cuda_path_supported("decode", 17, 2, 8, "float16")
+    assert not _kernels.cuda_path_supported("mma", 64, 2, 8, "float32")

@@ -1,5 +1,6 @@
 """The README's serve snippet and examples/serve.py run as written."""
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +28,13 @@ def write_pruned_block(folder: Path, rng) -> Path:
     return path
 
 
-def test_serve_snippet_runs(tmp_path, rng):
-    write_pruned_block(tmp_path, rng)
+def test_serve_snippet_runs(tmp_path):
+    demo = [sys.executable, "-m", "nmcli", "demo", "--device", "cpu", "--runs", "3", "--tokens", "1"]
+    subprocess.run(demo, cwd=tmp_path, check=True, capture_output=True, timeout=300)
     result = subprocess.run([sys.executable, "-c", readme_snippet("Serve in ONNX Runtime")], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "(1, 16, 256)"
+    assert result.stdout.strip() == "(1, 16, 512)"
 
 
 def test_serve_example_runs(tmp_path, rng):
@@ -44,9 +46,17 @@ def test_serve_example_runs(tmp_path, rng):
 
 
 def test_main_job_commands(tmp_path):
-    """The README's first-run commands (toy model, then prune) work as written."""
-    subprocess.run([sys.executable, "-m", "nmcli.toymodels", "block.onnx"], cwd=tmp_path, check=True, timeout=120)
-    result = subprocess.run([sys.executable, "-m", "nmcli", "prune", "block.onnx", "--nm", "2:8", "-o", "block.nm.onnx"],
+    """The README's main job (`nmcli demo`) and the prune/bench commands work as written."""
+    result = subprocess.run([sys.executable, "-m", "nmcli", "demo"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert "decode 1x1" in result.stdout and "speedup" in result.stdout
+    dense = tmp_path / "nmcli-demo" / "llama-block.onnx"
+    assert dense.is_file() and (tmp_path / "nmcli-demo" / "llama-block.2-8.onnx").is_file()
+    result = subprocess.run([sys.executable, "-m", "nmcli", "prune", str(dense), "--nm", "2:8", "-o", "model.nm.onnx"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert sum(n.op_type == nmcli.OP_TYPE for n in onnx.load(str(tmp_path / "block.nm.onnx")).graph.node) == 6
+    assert sum(n.op_type == nmcli.OP_TYPE for n in onnx.load(str(tmp_path / "model.nm.onnx")).graph.node) == 14
+    result = subprocess.run([sys.executable, "-m", "nmcli", "bench", str(dense), "--sparse", "model.nm.onnx", "--runs", "3"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -5,11 +5,29 @@
 #include <stdexcept>
 #include <string>
 
+#include <cuda_runtime.h>
+
 #include "nm_matmul_cuda.h"
 
 namespace py = pybind11;
 
 namespace nmcli {
+namespace {
+
+DType parse_dtype(const std::string& dtype) {
+  if (dtype == "float32") return DType::f32;
+  if (dtype == "float16") return DType::f16;
+  if (dtype == "bfloat16") return DType::bf16;
+  throw std::invalid_argument("dtype must be float32, float16 or bfloat16");
+}
+
+CudaPath parse_path(const std::string& path) {
+  for (CudaPath p : {CudaPath::automatic, CudaPath::decode, CudaPath::tiled, CudaPath::mma})
+    if (path == path_name(p)) return p;
+  throw std::invalid_argument("path must be auto, decode, tiled or mma");
+}
+
+}  // namespace
 
 void register_cuda_bindings(py::module_& mod) {
   mod.attr("HAS_CUDA") = true;
@@ -19,8 +37,7 @@ void register_cuda_bindings(py::module_& mod) {
          int64_t k, int64_t nout, const std::string& dtype, float alpha, uintptr_t stream, const std::string& path) {
         if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m");
         CudaMatMul call;
-        call.dtype = dtype == "float32" ? DType::f32 : dtype == "float16" ? DType::f16 : dtype == "bfloat16" ? DType::bf16
-                     : throw std::invalid_argument("dtype must be float32, float16 or bfloat16");
+        call.dtype = parse_dtype(dtype);
         call.x = reinterpret_cast<const void*>(x);
         call.values = reinterpret_cast<const void*>(values);
         call.indices = reinterpret_cast<const uint32_t*>(indices);
@@ -29,8 +46,8 @@ void register_cuda_bindings(py::module_& mod) {
         call.rows = rows;
         call.alpha = alpha;
         call.shape = NMShape::make(k, nout, n, m);
-        const CudaPath chosen = path == "auto" ? CudaPath::automatic : path == "decode" ? CudaPath::decode
-                                : path == "tiled" ? CudaPath::tiled : throw std::invalid_argument("path: auto, decode or tiled");
+        const CudaPath chosen = parse_path(path);
+        if (!path_supported(call, chosen)) throw std::invalid_argument("path " + path + " does not support this call");
         const int err = nm_matmul_cuda(call, reinterpret_cast<void*>(stream), chosen);
         if (err != 0) throw std::runtime_error("nm_matmul_cuda failed with CUDA error " + std::to_string(err));
       },
@@ -39,14 +56,43 @@ void register_cuda_bindings(py::module_& mod) {
       py::arg("path") = "auto",
       "Launch on device pointers (bias may be 0). Asynchronous on `stream`; no allocation.");
   mod.def(
+      "cuda_device_count",
+      [] {
+        int count = 0;
+        return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+      },
+      "Visible CUDA devices (0 when there is no driver or GPU).");
+  mod.def(
+      "cuda_mem_info",
+      [](int device) {
+        size_t free_bytes = 0, total_bytes = 0;
+        if (cudaSetDevice(device) != cudaSuccess || cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess)
+          throw std::runtime_error("cudaMemGetInfo failed");
+        return py::make_tuple(free_bytes, total_bytes);
+      },
+      py::arg("device") = 0, "(free, total) bytes of device memory, all processes and contexts included.");
+  mod.def(
       "cuda_path",
-      [](int64_t rows, int n, int m, int64_t k, int64_t nout) {
+      [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype) {
         CudaMatMul call;
+        call.dtype = parse_dtype(dtype);
         call.rows = rows;
         call.shape = NMShape::make(k, nout, n, m);
         return std::string(path_name(choose_path(call)));
       },
-      "The path the automatic dispatch takes for this shape.");
+      py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype") = "float16",
+      "The path the automatic dispatch takes for this call.");
+  mod.def(
+      "cuda_path_supported",
+      [](const std::string& path, int64_t rows, int n, int m, const std::string& dtype) {
+        CudaMatMul call;
+        call.dtype = parse_dtype(dtype);
+        call.rows = rows;
+        call.shape = NMShape::make(m, 1, n, m);
+        return path_supported(call, parse_path(path));
+      },
+      py::arg("path"), py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("dtype"),
+      "Whether a path (decode, tiled, mma) can run calls of this kind.");
 }
 
 }  // namespace nmcli

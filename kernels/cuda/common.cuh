@@ -22,27 +22,32 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
 // 16-byte streaming load of weight data: read once, so keep it out of L1.
 __device__ __forceinline__ uint4 load_stream16(const void* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 
 __device__ __forceinline__ uint32_t load_stream4(const uint32_t* p) {
   uint32_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
+}
+
+// Entry i of consecutive packed T values held in 32-bit words, as fp32.
+template <typename T>
+__device__ __forceinline__ float packed_entry(const uint32_t* words, int i) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(words[i]);
+  } else {
+    const uint16_t h = static_cast<uint16_t>(words[i >> 1] >> (16 * (i & 1)));
+    return to_f32(*reinterpret_cast<const T*>(&h));
+  }
 }
 
 // Entry i of a 16-byte vector holding 16/sizeof(T) values, as fp32.
 template <typename T>
 __device__ __forceinline__ float vec_entry(const uint4& v, int i) {
-  const uint32_t w = (&v.x)[i * sizeof(T) / 4];
-  if constexpr (sizeof(T) == 4) {
-    return __uint_as_float(w);
-  } else {
-    const uint16_t h = static_cast<uint16_t>(w >> (16 * (i & 1)));
-    return to_f32(*reinterpret_cast<const T*>(&h));
-  }
+  return packed_entry<T>(&v.x, i);
 }
 
 }  // namespace nmcli

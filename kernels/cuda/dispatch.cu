@@ -1,14 +1,13 @@
 // Picks the path for a call and launches it.
 //
-// Rule (to be replaced by measured crossovers, see BENCHMARKS.md): the decode path for 1..8
-// activation rows, where the product is memory-bound on the weight; the tiled path above.
+// Rule (see BENCHMARKS.md for the measurements behind it): the decode path for 1..16
+// activation rows, where the product is memory-bound on the weight; above that the tensor-core
+// path where it applies (fp16/bf16, M in {2,4,8,16}), else the tiled SIMT path.
 #include "kernels.cuh"
 #include "nm_matmul_cuda.h"
 
 namespace nmcli {
 namespace {
-
-constexpr int64_t kDecodeMaxRows = 8;
 
 template <typename T>
 PathParams<T> typed(const CudaMatMul& c) {
@@ -38,19 +37,42 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
     static_cast<PathParams<T>&>(p) = typed<T>(c);
     return run_decode<T>(p, stream);
   }
+  if (path == CudaPath::mma) return run_mma<T>(typed<T>(c), stream);
   return run_tiled<T>(typed<T>(c), stream);
 }
 
 }  // namespace
 
+int multiprocessor_count() {
+  static int counts[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return 132;
+  if (counts[device] == 0 && cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 132;
+  return counts[device];
+}
+
+bool path_supported(const CudaMatMul& call, CudaPath path) {
+  switch (path) {
+    case CudaPath::automatic: return true;
+    case CudaPath::decode: return call.rows <= kDecodeMaxRows;
+    case CudaPath::tiled: return true;
+    case CudaPath::mma: return mma_supported(call.dtype == DType::f32 ? 4 : 2, call.shape.m);
+  }
+  return false;
+}
+
 CudaPath choose_path(const CudaMatMul& call) {
-  return call.rows <= kDecodeMaxRows ? CudaPath::decode : CudaPath::tiled;
+  if (call.rows <= kDecodeMaxRows) return CudaPath::decode;
+  if (path_supported(call, CudaPath::mma)) return CudaPath::mma;
+  return CudaPath::tiled;
 }
 
 const char* path_name(CudaPath path) {
   switch (path) {
     case CudaPath::decode: return "decode";
     case CudaPath::tiled: return "tiled";
+    case CudaPath::mma: return "mma";
     default: return "auto";
   }
 }
@@ -58,7 +80,7 @@ const char* path_name(CudaPath path) {
 int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
   if (call.rows == 0 || call.shape.nout == 0) return cudaSuccess;
   if (path == CudaPath::automatic) path = choose_path(call);
-  if (path == CudaPath::decode && call.rows > kDecodeMaxRows) return cudaErrorInvalidValue;
+  if (!path_supported(call, path)) return cudaErrorInvalidValue;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   switch (call.dtype) {
     case DType::f32: return run<float>(call, stream, path);

@@ -21,10 +21,16 @@ template <typename T>
 struct DecodeParamsT : PathParams<T> {
   int64_t chunk_groups;   // groups staged per shared-memory chunk
   int staged_positions;   // positions staged per chunk (chunk + slack)
-  int log2n;
 };
+
+constexpr int64_t kDecodeMaxRows = 16;  // the decode path handles 1..16 activation rows
 
 template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t stream);
 template <typename T> cudaError_t run_tiled(PathParams<T> p, cudaStream_t stream);
+template <typename T> cudaError_t run_mma(PathParams<T> p, cudaStream_t stream);
+bool mma_supported(int dtype_bytes, int m);
+
+// SMs of the current device (cached per device).
+int multiprocessor_count();
 
 }  // namespace nmcli

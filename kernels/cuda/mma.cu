@@ -1,0 +1,301 @@
+// Tensor-core path for fp16/bf16 with M in {2, 4, 8, 16} (any N): "load sparse, compute dense".
+// Per K step of 64 positions (64/M whole groups) a block
+//  * stages a [BM x 64] activation tile in shared memory;
+//  * expands the [BN x 64] weight tile from the packed format straight into dense rows (zeros
+//    between the stored entries), written with 16-byte stores, so the expansion costs no extra
+//    shared-memory pass;
+//  * runs mma.sync m16n8k16 (fp32 accumulate) on ldmatrix fragments; each warp owns a
+//    (BM/2) x (BN/4) tile of the output.
+// For K % 8 == 0 and N a power of two with M <= 8N, the next step's activations and packed
+// weights are loaded into registers while the current step's MMAs run (one step of prefetch).
+// Rows are padded by 8 elements so ldmatrix's eight row addresses fall in different banks.
+// Other patterns and fp32 run on the tiled SIMT path (tiled.cu).
+#include <type_traits>
+
+#include "common.cuh"
+#include "kernels.cuh"
+
+namespace nmcli {
+namespace {
+
+constexpr int kThreads = 256, kWarpsM = 2, kWarpsN = 4;
+constexpr int BK = 64, LDS = BK + 8;
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_ptr) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+// Scalar staging for activations that cannot be read as 16-byte vectors (K % 8 != 0).
+template <typename T, int BM>
+__device__ __forceinline__ void stage_activations(const PathParams<T>& p, T (*xs)[LDS], int64_t row0, int64_t k0) {
+  for (int idx = threadIdx.x; idx < BM * BK; idx += kThreads) {
+    const int r = idx / BK, c = idx % BK;
+    const int64_t row = row0 + r, k = k0 + c;
+    xs[r][c] = (row < p.rows && k < p.k) ? p.x[row * p.k + k] : from_f32<T>(0.f);
+  }
+}
+
+// Global data of one K step, held in registers so the next step's loads overlap this step's
+// MMAs: the activation tile as 16-byte vectors and, for power-of-two N dividing 8, the packed
+// weight tile as 16-byte vectors of 8 stored entries plus their 8*B offset bits.
+template <int BM, int BN>
+struct StepRegs {
+  static constexpr int kX = BM * BK / 8 / kThreads;
+  static constexpr int kW = BN * BK / 8 / kThreads;  // enough for N/M <= 1 (we need <= 1/2)
+  uint4 x[kX];
+  uint4 w[kW];
+  uint32_t off[kW];
+};
+
+template <typename T, int BM, int BN>
+__device__ __forceinline__ void load_x_regs(const PathParams<T>& p, StepRegs<BM, BN>& r, int64_t row0, int64_t k0) {
+#pragma unroll
+  for (int i = 0; i < StepRegs<BM, BN>::kX; ++i) {
+    const int idx = threadIdx.x + i * kThreads, rr = idx / (BK / 8), c = idx % (BK / 8) * 8;
+    const int64_t row = row0 + rr, k = k0 + c;
+    r.x[i] = (row < p.rows && k < p.k) ? __ldg(reinterpret_cast<const uint4*>(p.x + row * p.k + k)) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int BM, int BN, typename T>
+__device__ __forceinline__ void store_x_regs(const StepRegs<BM, BN>& r, T (*xs)[LDS]) {
+#pragma unroll
+  for (int i = 0; i < StepRegs<BM, BN>::kX; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    *reinterpret_cast<uint4*>(&xs[idx / (BK / 8)][idx % (BK / 8) * 8]) = r.x[i];
+  }
+}
+
+// Vector slot i of this thread: column c and vector vi within the column's entries of the step.
+template <int kN, int kM>
+struct WeightVectors {
+  static constexpr int kPerColumn = 8 * kN / kM;  // 16-byte vectors per column per step
+  __device__ static int column(int v) { return v / kPerColumn; }
+  __device__ static int within(int v) { return v % kPerColumn; }
+};
+
+template <typename T, int kN, int kM, int BM, int BN>
+__device__ __forceinline__ void load_w_regs(const PathParams<T>& p, StepRegs<BM, BN>& r, int64_t col0, int64_t step) {
+  using V = WeightVectors<kN, kM>;
+  constexpr int kBits = index_bits(kM);
+#pragma unroll
+  for (int i = 0; i < StepRegs<BM, BN>::kW; ++i) {
+    const int v = threadIdx.x + i * kThreads;
+    r.w[i] = make_uint4(0, 0, 0, 0);
+    r.off[i] = 0;
+    if (v >= BN * V::kPerColumn) continue;
+    const int64_t col = col0 + V::column(v);
+    const int64_t j0 = step * (BK / kM) * kN + V::within(v) * 8;  // first stored entry of the vector
+    if (col >= p.nout || j0 >= p.row_len) continue;
+    r.w[i] = load_stream16(p.values + col * p.row_len + j0);
+    const int64_t bit = j0 * kBits;  // 8 entries: 8*B <= 32 bits, starting on a byte
+    const uint32_t* wp = p.indices + col * p.index_words + (bit >> 5);
+    const int shift = static_cast<int>(bit & 31);
+    uint64_t window = __ldg(wp);
+    if (shift + 8 * kBits > 32) window |= static_cast<uint64_t>(__ldg(wp + 1)) << 32;
+    r.off[i] = static_cast<uint32_t>(window >> shift);
+  }
+}
+
+// Writes the 8/N groups (8M/N dense positions) of each held vector into the [BN x 64] tile.
+template <typename T, int kN, int kM, int BM, int BN>
+__device__ __forceinline__ void expand_w_regs(const StepRegs<BM, BN>& r, T (*ws)[LDS]) {
+  using V = WeightVectors<kN, kM>;
+  constexpr int kBits = index_bits(kM), kPositions = 8 / kN * kM;
+#pragma unroll
+  for (int i = 0; i < StepRegs<BM, BN>::kW; ++i) {
+    const int v = threadIdx.x + i * kThreads;
+    if (v >= BN * V::kPerColumn) continue;
+    uint32_t dense[kPositions / 2];
+#pragma unroll
+    for (int q = 0; q < kPositions / 2; ++q) dense[q] = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t value = (&r.w[i].x)[e / 2] >> (16 * (e & 1)) & 0xffffu;
+      const uint32_t off = (r.off[i] >> (e * kBits)) & ((1u << kBits) - 1u);
+      const int base = e / kN * kM;  // first dense position of the entry's group
+#pragma unroll
+      for (int o = 0; o < kM; ++o)
+        if (off == static_cast<uint32_t>(o)) dense[(base + o) / 2] |= value << (16 * ((base + o) & 1));
+    }
+    T* dst = &ws[V::column(v)][V::within(v) * kPositions];
+    if constexpr (kPositions % 8 == 0) {
+#pragma unroll
+      for (int q = 0; q < kPositions / 8; ++q)
+        reinterpret_cast<uint4*>(dst)[q] = make_uint4(dense[4 * q], dense[4 * q + 1], dense[4 * q + 2], dense[4 * q + 3]);
+    } else {
+#pragma unroll
+      for (int q = 0; q < kPositions / 2; ++q) reinterpret_cast<uint32_t*>(dst)[q] = dense[q];
+    }
+  }
+}
+
+// Any N (runtime): one thread per (column, group) reads the group's entries and writes its M
+// dense values. Slower (one dependent load per entry); used where N does not divide 8.
+template <typename T, int kM, int BN>
+__device__ __forceinline__ void expand_w_direct(const PathParams<T>& p, T (*ws)[LDS], int64_t col0, int64_t step) {
+  constexpr int kGroups = BK / kM;
+  for (int idx = threadIdx.x; idx < BN * kGroups; idx += kThreads) {
+    const int c = idx / kGroups, gl = idx % kGroups;
+    const int64_t col = col0 + c, g = step * kGroups + gl;
+    uint32_t dense[kM / 2] = {};  // pairs of 16-bit values
+    if (col < p.nout && g < p.groups) {
+      const uint16_t* vrow = reinterpret_cast<const uint16_t*>(p.values + col * p.row_len);
+      const uint32_t* irow = p.indices + col * p.index_words;
+      for (int e = 0; e < p.n; ++e) {
+        const int64_t j = g * p.n + e;
+        const uint32_t off = read_offset(irow, j, p.bits);
+        const uint32_t v = __ldg(vrow + j);
+#pragma unroll
+        for (int i = 0; i < kM; ++i)
+          if (off == static_cast<uint32_t>(i)) dense[i / 2] |= v << (16 * (i & 1));
+      }
+    }
+    T* dst = &ws[c][gl * kM];
+    if constexpr (kM >= 8) {
+#pragma unroll
+      for (int i = 0; i < kM / 8; ++i)
+        reinterpret_cast<uint4*>(dst)[i] = make_uint4(dense[4 * i], dense[4 * i + 1], dense[4 * i + 2], dense[4 * i + 3]);
+    } else if constexpr (kM == 4) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(dense[0], dense[1]);
+    } else {
+      *reinterpret_cast<uint32_t*>(dst) = dense[0];
+    }
+  }
+}
+
+// kN == 0: runtime N, direct expansion; else N is a power of two dividing 8 with 8N/M >= 1.
+template <typename T, int kN, int kM, int BM, int BN>
+__global__ void __launch_bounds__(kThreads) mma_kernel(PathParams<T> p, bool vector_loads) {
+  constexpr int TM = BM / kWarpsM, TN = BN / kWarpsN;  // warp tile
+  constexpr int MT = TM / 16, NT = TN / 8;              // mma tiles per warp
+  constexpr bool kPipelined = kN > 0;
+  static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+  __shared__ __align__(16) T xs[BM][LDS];
+  __shared__ __align__(16) T ws[BN][LDS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * BM, col0 = static_cast<int64_t>(blockIdx.x) * BN;
+  const int64_t steps = (p.groups + BK / kM - 1) / (BK / kM);
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+  StepRegs<BM, BN> regs;
+  if (vector_loads) load_x_regs<T, BM, BN>(p, regs, row0, 0);
+  if constexpr (kPipelined) load_w_regs<T, kN, kM, BM, BN>(p, regs, col0, 0);
+
+  for (int64_t s = 0; s < steps; ++s) {
+    if (vector_loads) store_x_regs<BM, BN>(regs, xs);
+    else stage_activations<T, BM>(p, xs, row0, s * BK);
+    if constexpr (kPipelined) expand_w_regs<T, kN, kM, BM, BN>(regs, ws);
+    else expand_w_direct<T, kM, BN>(p, ws, col0, s);
+    __syncthreads();
+    if (s + 1 < steps) {  // next step's global loads fly while the tensor cores work
+      if (vector_loads) load_x_regs<T, BM, BN>(p, regs, row0, (s + 1) * BK);
+      if constexpr (kPipelined) load_w_regs<T, kN, kM, BM, BN>(p, regs, col0, s + 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      uint32_t a[MT][4], b[NT][2];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) ldmatrix_x4(a[i], &xs[wm * TM + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        uint32_t r[4];
+        ldmatrix_x4(r, &ws[wn * TN + j * 8 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+        b[j][0] = r[0]; b[j][1] = r[1]; b[j + 1][0] = r[2]; b[j + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) mma_16816<T>(acc[i][j], a[i], b[j]);
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t row = row0 + wm * TM + i * 16 + (lane >> 2) + (e >> 1) * 8;
+        const int64_t col = col0 + wn * TN + j * 8 + (lane & 3) * 2 + (e & 1);
+        if (row < p.rows && col < p.nout)
+          p.y[row * p.nout + col] = from_f32<T>(p.alpha * acc[i][j][e] + (p.bias ? to_f32(p.bias[col]) : 0.f));
+      }
+}
+
+template <typename T, int kN, int kM>
+cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
+  const bool vector_loads = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  const int64_t big_tiles = (p.nout + 127) / 128 * ((p.rows + 127) / 128);
+  if (big_tiles >= 2 * multiprocessor_count()) {  // enough 128x128 tiles to fill the GPU twice over
+    const dim3 grid(static_cast<unsigned>((p.nout + 127) / 128), static_cast<unsigned>((p.rows + 127) / 128));
+    mma_kernel<T, kN, kM, 128, 128><<<grid, kThreads, 0, stream>>>(p, vector_loads);
+  } else {
+    const dim3 grid(static_cast<unsigned>((p.nout + 63) / 64), static_cast<unsigned>((p.rows + 63) / 64));
+    mma_kernel<T, kN, kM, 64, 64><<<grid, kThreads, 0, stream>>>(p, vector_loads);
+  }
+  return cudaGetLastError();
+}
+
+// Families with N a power of two dividing 8 and at least one 8-entry vector per column per step
+// take the pipelined kernel; other N with the same M the direct expansion.
+template <typename T, int kM>
+cudaError_t launch_m(const PathParams<T>& p, cudaStream_t stream) {
+  switch (p.n) {  // pipelined when M <= 8N (a whole 8-entry vector per column per step)
+    case 1: if constexpr (kM <= 8) return launch<T, 1, kM>(p, stream); break;
+    case 2: if constexpr (kM > 2) return launch<T, 2, kM>(p, stream); break;
+    case 4: if constexpr (kM > 4) return launch<T, 4, kM>(p, stream); break;
+    case 8: if constexpr (kM > 8) return launch<T, 8, kM>(p, stream); break;
+    default: break;
+  }
+  return launch<T, 0, kM>(p, stream);
+}
+
+}  // namespace
+
+bool mma_supported(int dtype_bytes, int m) { return dtype_bytes == 2 && (m == 2 || m == 4 || m == 8 || m == 16); }
+
+template <typename T>
+cudaError_t run_mma(PathParams<T> p, cudaStream_t stream) {
+  if constexpr (sizeof(T) != 2) {
+    return cudaErrorInvalidValue;
+  } else {
+    switch (p.m) {
+      case 2: return launch_m<T, 2>(p, stream);
+      case 4: return launch_m<T, 4>(p, stream);
+      case 8: return launch_m<T, 8>(p, stream);
+      case 16: return launch_m<T, 16>(p, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+}
+
+template cudaError_t run_mma<float>(PathParams<float>, cudaStream_t);
+template cudaError_t run_mma<__half>(PathParams<__half>, cudaStream_t);
+template cudaError_t run_mma<__nv_bfloat16>(PathParams<__nv_bfloat16>, cudaStream_t);
+
+}  // namespace nmcli

@@ -1,0 +1,151 @@
+"""`nmcli bench MODEL` and `nmcli demo` on the CPU: the report's structure and JSON (numbers are
+not asserted), generated inputs in valid ranges, and one clear line for every bad input."""
+import json
+
+import numpy as np
+import onnx
+import pytest
+from models import transformer_block
+from onnx import TensorProto, helper, numpy_helper
+from test_cli import assert_one_line_error, model_file, run  # noqa: F401  (fixture)
+
+from nmcli.inputs import input_specs, parse_shape_overrides, random_feeds, resolve_shapes
+from nmcli.errors import NmcliError
+from nmcli.toymodels import make_model
+
+LATENCY_KEYS = {"p10_ms", "p50_ms", "p90_ms"}
+
+
+def check_report(report, settings):
+    assert [s["name"] for s in report["settings"]] == settings
+    assert report["provider"] == "CPUExecutionProvider"
+    assert report["sparse"]["file_bytes"] < report["dense"]["file_bytes"]
+    for s in report["settings"]:
+        for side in ("dense", "sparse"):
+            assert set(s[side]) == LATENCY_KEYS
+            assert 0 < s[side]["p10_ms"] <= s[side]["p50_ms"] <= s[side]["p90_ms"]
+        assert s["speedup"] == pytest.approx(s["dense"]["p50_ms"] / s["sparse"]["p50_ms"])
+        assert s["nm_op_ms"] > 0 and s["other_ms"] >= 0
+        (agreement,) = s["agreement"]
+        assert agreement["output"] == "y" and -1 <= agreement["cosine"] <= 1 and agreement["max_abs_diff"] > 0
+
+
+def test_bench_prunes_in_memory_and_reports(model_file, tmp_path):
+    result = run("bench", model_file, "--nm", "2:8", "--runs", "3", "--warmup", "1", "--tokens", "1", "--tokens", "7",
+                 "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["nm"] == "2:8" and report["pruned_layers"] == 6
+    check_report(report, ["decode 1x1", "prefill 1x7"])
+    assert report["settings"][1]["shapes"] == {"x": [1, 7, 64]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["block.onnx"]  # nothing written
+
+
+def test_bench_compares_two_files_and_prints_tables(model_file, tmp_path):
+    sparse = tmp_path / "block.nm.onnx"
+    assert run("prune", model_file, "--nm", "1:4", "-o", sparse, cwd=tmp_path).returncode == 0
+    result = run("bench", model_file, "--sparse", sparse, "--runs", "3", "--batch", "2", "--shape", "x=2x5x64",
+                 cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "dense vs sparse" in result.stdout and "custom" in result.stdout and "model size" in result.stdout
+    assert "no CUDA GPU" in result.stderr or "GPU" not in result.stderr
+
+
+def test_demo_builds_saves_prunes_and_benches(tmp_path):
+    out = tmp_path / "demo"
+    result = run("demo", "--hidden", "64", "--ffn", "96", "--heads", "4", "--layers", "2", "--runs", "3",
+                 "--tokens", "2", "--output-dir", out, "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["config"] == {"hidden": 64, "ffn": 96, "heads": 4, "layers": 2, "dtype": "float32"}
+    check_report(report, ["prefill 1x2"])
+    dense = onnx.load(str(out / "llama-block.onnx"))
+    sparse = onnx.load(str(out / "llama-block.2-8.onnx"))
+    assert sum(n.op_type == "MatMul" for n in dense.graph.node) == 2 * (7 + 2)  # 7 projections + 2 attention
+    assert sum(n.op_type == "NMMatMul" for n in sparse.graph.node) == 2 * 7
+
+
+def test_demo_defaults_on_cpu(tmp_path):
+    result = run("demo", "--runs", "3", "--tokens", "1", "--output-dir", tmp_path / "d", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "decode 1x1" in result.stdout and "saved" in result.stdout
+
+
+def ids_model(rng, vocab=50, hidden=16):
+    """input_ids -> Gather(embedding) -> MatMul, plus an attention_mask that is multiplied in."""
+    n = helper.make_node
+    nodes = [n("Gather", ["emb", "input_ids"], ["h"], name="embed"),
+             n("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT, name="cast"),
+             n("Unsqueeze", ["maskf", "axes"], ["mask3"], name="unsq"),
+             n("Mul", ["h", "mask3"], ["hm"], name="mask"),
+             n("MatMul", ["hm", "w"], ["y"], name="proj")]
+    inits = [numpy_helper.from_array(rng.standard_normal((vocab, hidden)).astype(np.float32), "emb"),
+             numpy_helper.from_array(rng.standard_normal((hidden, 32)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axes")]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["b", "s"])]
+    return make_model(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 32])], inits)
+
+
+def test_generated_inputs_respect_vocabulary_and_masks(rng):
+    specs = input_specs(ids_model(rng, vocab=50))
+    assert [(s.name, s.kind, s.vocab) for s in specs] == [("input_ids", "ids", 50), ("attention_mask", "mask", 0)]
+    feeds = random_feeds(specs, resolve_shapes(specs, 3, 200, {}), rng)
+    assert feeds["input_ids"].shape == (3, 200) and feeds["input_ids"].dtype == np.int64
+    assert 0 <= feeds["input_ids"].min() and feeds["input_ids"].max() < 50 and len(np.unique(feeds["input_ids"])) > 10
+    assert np.all(feeds["attention_mask"] == 1)
+
+
+def test_bench_on_token_ids(rng, tmp_path):
+    path = tmp_path / "ids.onnx"
+    onnx.save_model(ids_model(rng), str(path))
+    result = run("bench", path, "--nm", "2:4", "--runs", "3", "--tokens", "9", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["settings"][0]["shapes"] == {"input_ids": [1, 9], "attention_mask": [1, 9]}
+
+
+def test_shape_overrides_parse_and_check(rng):
+    assert parse_shape_overrides(["x=1x128", "ids=4"]) == {"x": (1, 128), "ids": (4,)}
+    for bad in ("x", "x=", "x=1x", "=3", "x=a"):
+        with pytest.raises(NmcliError, match="expected NAME=DIMS"):
+            parse_shape_overrides([bad])
+    specs = input_specs(transformer_block(rng)[0])
+    with pytest.raises(NmcliError, match="does not fit"):
+        resolve_shapes(specs, 1, 1, {"x": (1, 2, 63)})
+    with pytest.raises(NmcliError, match="names no model input"):
+        resolve_shapes(specs, 1, 1, {"nope": (1,)})
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["bench", "missing.onnx", "--nm", "2:8"], ["missing.onnx", "no such file"]),
+    (["bench", "garbage.onnx", "--nm", "2:8"], ["not a readable ONNX model"]),
+    (["bench", "{model}"], ["exactly one of --nm"]),
+    (["bench", "{model}", "--nm", "2:8", "--sparse", "{model}"], ["exactly one of --nm"]),
+    (["bench", "{model}", "--nm", "9:4"], ["N"]),
+    (["bench", "{model}", "--nm", "2:8", "--shape", "x=1x3"], ["does not fit"]),
+    (["bench", "{model}", "--nm", "2:8", "--shape", "x:1x3"], ["expected NAME=DIMS"]),
+    (["bench", "{model}", "--nm", "2:8", "--device", "tpu"], ["--device"]),
+    (["demo", "--hidden", "60", "--heads", "8", "--runs", "3"], ["not a multiple of 8 heads"]),
+])
+def test_bench_bad_input_is_one_line(model_file, tmp_path, args, fragments):
+    (tmp_path / "garbage.onnx").write_bytes(b"\x00not onnx at all" * 10)
+    result = run(*[a.format(model=model_file) for a in args], cwd=tmp_path)
+    assert_one_line_error(result, *fragments)
+
+
+def test_bench_without_op_library_is_one_line(model_file, tmp_path):
+    import os
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "nmcli", "bench", str(model_file), "--nm", "2:8", "--runs", "3"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "NMCLI_OPS_LIBRARY": str(tmp_path / "libnope.so")})
+    assert_one_line_error(result, "op library not found")
+
+
+def test_bench_models_with_different_inputs(model_file, rng, tmp_path):
+    other = tmp_path / "ids.onnx"
+    onnx.save_model(ids_model(rng), str(other))
+    sparse = tmp_path / "ids.nm.onnx"
+    assert run("prune", other, "--nm", "2:4", "-o", sparse, cwd=tmp_path).returncode == 0
+    assert_one_line_error(run("bench", model_file, "--sparse", sparse, cwd=tmp_path), "different inputs")
