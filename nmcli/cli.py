@@ -74,7 +74,12 @@ def prune(
     model: Path = typer.Argument(..., help="Input ONNX model (never modified)."),
     nm: str = typer.Option("2:8", "--nm", help=NM_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output model [default: MODEL.nm.onnx]."),
-    method: str = typer.Option("magnitude", "--method", help="How to choose the kept weights: magnitude."),
+    method: str = typer.Option("magnitude", "--method", help="How to choose the kept weights: magnitude (|W|) or "
+                                                           "wanda (|W| * ||X_k|| from calibration inputs)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration inputs for wanda: .npz with one array per "
+                                                               "model input, samples on axis 0."),
+    calib_samples: int = typer.Option(8, "--calib-samples", min=1, help="Generated calibration samples without --calib."),
+    calib_tokens: int = typer.Option(64, "--calib-tokens", min=1, help="Sequence length of generated samples."),
     include: List[str] = typer.Option([], "--include", help=INCLUDE_HELP),
     exclude: List[str] = typer.Option([], "--exclude", help=EXCLUDE_HELP),
     min_size: int = typer.Option(0, "--min-size", min=0, help=MIN_SIZE_HELP),
@@ -91,7 +96,8 @@ def prune(
     check_output_path(model, output, force)
     dense = load_model(model)
     selection = Selection(pattern, include=include, exclude=exclude, min_size=min_size)
-    pruned, report = prune_model(dense, selection, criterion=criterion)
+    feeds = _calibration(dense, criterion, calib, calib_samples, calib_tokens)
+    pruned, report = prune_model(dense, selection, criterion=criterion, calibration=feeds)
     _check(pruned)
     written = save_model(pruned, output)
     if as_json:
@@ -238,7 +244,9 @@ def bench_model(
         extra = {"dense_model": str(model), "sparse_model": str(sparse)}
     else:
         pattern = NMPattern.parse(nm)
-        sparse_model, prune_report = prune_model(dense, Selection(pattern), criterion=get_criterion(method))
+        criterion = get_criterion(method)
+        sparse_model, prune_report = prune_model(dense, Selection(pattern), criterion=criterion,
+                                                 calibration=_calibration(dense, criterion, None, 8, 64))
         extra = {"dense_model": str(model), "nm": str(pattern), "method": prune_report.method,
                  "pruned_layers": len(prune_report.layers)}
     _bench_and_print(dense, sparse_model, device=device, tokens=tokens, batch=batch, shape=shape, warmup=warmup,
@@ -356,6 +364,25 @@ def ops_path():
     from .runtime import ops_library_path
 
     print(ops_library_path())
+
+
+def _calibration(model, criterion, calib, samples: int, tokens: int):
+    """Calibration feeds for criteria that need them (None otherwise)."""
+    if not getattr(criterion, "needs_calibration", False):
+        if calib is not None:
+            raise NmcliError(f"--calib is only used by activation-aware methods (wanda), not '{criterion.name}'")
+        return None
+    import numpy as np
+
+    from .calibrate import generated_calibration, load_calibration
+    from .inputs import input_specs
+
+    specs = input_specs(model)
+    if calib is not None:
+        return load_calibration(calib, specs)
+    err.print(f"[yellow]warning:[/] no --calib given: calibrating {criterion.name} on {samples} generated samples of "
+              f"{tokens} tokens; real data prunes better", highlight=False)
+    return generated_calibration(specs, samples, tokens, np.random.default_rng(0))
 
 
 def _check(model) -> None:

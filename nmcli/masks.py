@@ -41,7 +41,23 @@ class Magnitude:
         return np.abs(weight.astype(np.float64))
 
 
-CRITERIA: dict[str, type] = {"magnitude": Magnitude}
+class Wanda:
+    """|W_kj| * ||X_k|| (Sun et al., 2023): a weight matters as much as the input it multiplies.
+
+    Within one group of M input channels of one output column the norms differ per row, so
+    activation-aware choices differ from magnitude exactly where channels are unevenly scaled.
+    """
+
+    name = "wanda"
+    needs_calibration = True
+
+    def scores(self, weight: np.ndarray, layer: LayerContext) -> np.ndarray:
+        if layer.input_channel_norms is None:
+            raise ValueError(f"wanda needs input channel norms for {layer.node_name}")
+        return np.abs(weight.astype(np.float64)) * layer.input_channel_norms.astype(np.float64)[:, None]
+
+
+CRITERIA: dict[str, type] = {"magnitude": Magnitude, "wanda": Wanda}
 
 
 def choose_offsets(scores: np.ndarray, pattern: NMPattern) -> np.ndarray:

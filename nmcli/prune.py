@@ -28,6 +28,23 @@ class PrunedWeight:
     dense_bytes: int
 
 
+def _channel_norms(model, chosen, calibration) -> dict:
+    """||X_k|| per pruned weight; a weight shared by several nodes sees all their inputs."""
+    from .calibrate import activation_of, channel_sq_sums
+
+    if not calibration:
+        raise NmcliError("this pruning method needs calibration inputs")
+    sums = channel_sq_sums(model, dict(activation_of(c) for c in chosen), calibration)
+    norms = {}
+    for cand in chosen:
+        sq = sums[activation_of(cand)[0]]
+        if sq.shape[0] != cand.weight.shape[0]:
+            raise NmcliError(f"{cand.name}: calibration activation has {sq.shape[0]} channels, weight K is "
+                             f"{cand.weight.shape[0]}")
+        norms[cand.weight_key] = norms.get(cand.weight_key, 0) + sq
+    return {key: np.sqrt(value) for key, value in norms.items()}
+
+
 def get_criterion(method: str) -> MaskCriterion:
     try:
         return CRITERIA[method]()
@@ -47,8 +64,11 @@ def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, criterion: Mas
 
 
 def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "magnitude",
-                criterion: MaskCriterion | None = None) -> tuple[onnx.ModelProto, PruneReport]:
-    """Return a pruned copy of `model` (the input is not modified) and the per-layer report."""
+                criterion: MaskCriterion | None = None, calibration: list[dict] | None = None
+                ) -> tuple[onnx.ModelProto, PruneReport]:
+    """Return a pruned copy of `model` (the input is not modified) and the per-layer report.
+
+    `calibration`: input feeds (one dict per sample) for activation-aware criteria."""
     criterion = criterion or get_criterion(method)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -63,11 +83,13 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     graph = out.graph
     taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
 
+    norms = _channel_norms(model, chosen, calibration) if getattr(criterion, "needs_calibration", False) else {}
     pruned: dict[tuple[str, bool], PrunedWeight] = {}
     for cand in chosen:
         if cand.weight_key in pruned:
             continue
-        layer = LayerContext(node_name=cand.name, weight_name=cand.weight_name)
+        layer = LayerContext(node_name=cand.name, weight_name=cand.weight_name,
+                             input_channel_norms=norms.get(cand.weight_key))
         packed, rel_error = prune_weight(cand.weight, selection.pattern, criterion, layer)
         base = cand.weight_name + (".T" if cand.weight_key[1] else "")
         entry = PrunedWeight(packed, _unique(base + ".nm_values", taken), _unique(base + ".nm_indices", taken),

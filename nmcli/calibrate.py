@@ -1,0 +1,86 @@
+"""Calibration for activation-aware pruning: per input channel, ||X_k|| over calibration data
+for the activation that feeds each prunable node.
+
+The activations are read by running a temporary copy of the model in onnxruntime (CPU) with
+those tensors added as graph outputs; the user's model is never changed. Only running sums of
+squares are kept, so memory does not grow with the number of samples.
+"""
+from __future__ import annotations
+
+import zipfile
+
+import numpy as np
+import onnx
+
+from .errors import NmcliError
+from .graph import Candidate, _attr
+from .inputs import InputSpec, random_feeds, resolve_shapes
+
+
+def activation_of(cand: Candidate) -> tuple[str, int]:
+    """(tensor, channel axis) of the activation that meets the weight's K dimension."""
+    if cand.node.op_type == "Gemm" and _attr(cand.node, "transA", 0) == 1:
+        return cand.node.input[0], 0
+    return cand.node.input[0], -1
+
+
+def load_calibration(path, specs: list[InputSpec]) -> list[dict]:
+    """`inputs.npz`: one array per model input, samples stacked on a leading axis."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+    except FileNotFoundError:
+        raise NmcliError(f"--calib {path}: no such file") from None
+    except (ValueError, OSError, zipfile.BadZipFile) as exc:
+        raise NmcliError(f"--calib {path}: not a readable .npz file ({exc})") from None
+    names = {s.name for s in specs}
+    if set(arrays) != names:
+        missing, extra = sorted(names - set(arrays)), sorted(set(arrays) - names)
+        raise NmcliError(f"--calib {path}: arrays must be named after the model inputs "
+                         f"(missing: {', '.join(missing) or '-'}; unknown: {', '.join(extra) or '-'})")
+    counts = {len(a) if a.ndim else 0 for a in arrays.values()}
+    if len(counts) != 1 or 0 in counts:
+        raise NmcliError(f"--calib {path}: every array needs the same number (>= 1) of samples on axis 0")
+    for s in specs:
+        a = arrays[s.name]
+        sample = a.shape[1:]
+        fixed_ok = len(sample) == len(s.dims) and all(not isinstance(d, int) or d == v for d, v in zip(s.dims, sample))
+        if not fixed_ok:
+            want = "x".join(str(d) if isinstance(d, int) else "?" for d in s.dims)
+            raise NmcliError(f"--calib {path}: '{s.name}' samples have shape {'x'.join(map(str, sample)) or 'scalar'}, "
+                             f"the model wants {want}")
+        if (a.dtype.kind == "f") != (s.dtype.kind == "f"):
+            raise NmcliError(f"--calib {path}: '{s.name}' is {a.dtype}, the model wants {s.dtype}")
+    return [{s.name: arrays[s.name][i].astype(s.dtype, copy=False) for s in specs} for i in range(counts.pop())]
+
+
+def generated_calibration(specs: list[InputSpec], samples: int, tokens: int, rng) -> list[dict]:
+    return [random_feeds(specs, resolve_shapes(specs, 1, tokens, {}), rng) for _ in range(samples)]
+
+
+def channel_sq_sums(model: onnx.ModelProto, activations: dict[str, int], feeds: list[dict]) -> dict[str, np.ndarray]:
+    """Sum over all calibration rows of X_k^2, per activation tensor (name -> channel axis)."""
+    from .runtime import session
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    outputs = {o.name for o in probe.graph.output}
+    for name in activations:
+        if name not in outputs:
+            probe.graph.output.append(onnx.ValueInfoProto(name=name))
+    try:
+        sess = session(probe)
+    except Exception as exc:
+        raise NmcliError(f"onnxruntime cannot run the model for calibration: {str(exc).splitlines()[0][:300]}") from None
+    names = list(activations)
+    sums: dict[str, np.ndarray] = {}
+    for feed in feeds:
+        try:
+            values = sess.run(names, feed)
+        except Exception as exc:
+            raise NmcliError(f"calibration run failed: {str(exc).splitlines()[0][:300]}") from None
+        for name, value in zip(names, values):
+            x = np.moveaxis(np.asarray(value, np.float64), activations[name], -1)
+            sq = np.square(x).reshape(-1, x.shape[-1]).sum(axis=0)
+            sums[name] = sums[name] + sq if name in sums else sq
+    return sums
