@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnx
 
-from .errors import NmcliError
+from .errors import NmcliError, first_line
 from .inputs import input_specs, random_feeds, resolve_shapes
 from .runtime import cuda_device_count, read_op_timing, session, set_op_timing
 
@@ -125,7 +125,7 @@ class BoundModel:
         except NmcliError:
             raise
         except Exception as exc:
-            raise NmcliError(f"onnxruntime cannot load the model: {_first_line(exc)}") from None
+            raise NmcliError(f"onnxruntime cannot load the model: {first_line(exc)}") from None
         self.provider = self.session.get_providers()[0]
         self.outputs = [o.name for o in self.session.get_outputs()]
 
@@ -148,7 +148,7 @@ class BoundModel:
         try:
             self.session.run_with_iobinding(self.binding)
         except Exception as exc:
-            raise NmcliError(f"onnxruntime failed to run the model: {_first_line(exc)}") from None
+            raise NmcliError(f"onnxruntime failed to run the model: {first_line(exc)}") from None
 
     def time(self, warmup: int, runs: int) -> list[float]:
         for _ in range(warmup):
@@ -168,11 +168,6 @@ def _gpu_used() -> int:
     from . import _kernels
     free, total = _kernels.cuda_mem_info(0)
     return total - free
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def agreement(names: list[str], dense: list[np.ndarray], sparse: list[np.ndarray]) -> list[Agreement]:
@@ -228,11 +223,14 @@ def op_time_per_run(bound: BoundModel, runs: int) -> float | None:
 
 
 def bench_pair(dense: onnx.ModelProto, sparse: onnx.ModelProto, settings: list[tuple[str, int, int]],
-               overrides: dict, device: str = "auto", warmup: int = 10, runs: int = 100,
+               overrides: dict, device: str, notes: list[str] = (), warmup: int = 10, runs: int = 100,
                dense_path: str | None = None, sparse_path: str | None = None, energy: bool = True,
                progress=None, seed: int | None = None) -> BenchReport:
-    """settings: (name, batch, tokens) triples; overrides: input name -> shape for every setting."""
-    device, notes = pick_device(device)
+    """settings: (name, batch, tokens) triples; overrides: input name -> shape for every setting;
+    device and notes: what pick_device chose and why (the notes end up in the report)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"bench_pair runs on 'cuda' or 'cpu' (see pick_device), not '{device}'")
+    notes = list(notes)
     specs = input_specs(dense)
     sparse_names = {s.name for s in input_specs(sparse)}
     if sparse_names != {s.name for s in specs}:

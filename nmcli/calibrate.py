@@ -12,7 +12,7 @@ import zipfile
 import numpy as np
 import onnx
 
-from .errors import NmcliError
+from .errors import NmcliError, first_line
 from .graph import Candidate, _attr
 from .inputs import InputSpec, random_feeds, resolve_shapes
 
@@ -71,14 +71,14 @@ def channel_sq_sums(model: onnx.ModelProto, activations: dict[str, int], feeds: 
     try:
         sess = session(probe)
     except Exception as exc:
-        raise NmcliError(f"onnxruntime cannot run the model for calibration: {str(exc).splitlines()[0][:300]}") from None
+        raise NmcliError(f"onnxruntime cannot run the model for calibration: {first_line(exc)}") from None
     names = list(activations)
     sums: dict[str, np.ndarray] = {}
     for feed in feeds:
         try:
             values = sess.run(names, feed)
         except Exception as exc:
-            raise NmcliError(f"calibration run failed: {str(exc).splitlines()[0][:300]}") from None
+            raise NmcliError(f"calibration run failed: {first_line(exc)}") from None
         for name, value in zip(names, values):
             x = np.moveaxis(np.asarray(value, np.float64), activations[name], -1)
             sq = np.square(x).reshape(-1, x.shape[-1]).sum(axis=0)

@@ -187,15 +187,16 @@ app.add_typer(bench_app, name="bench")
 BENCH_SHAPE_HELP = "Input shape for every setting, NAME=DIMS like input_ids=1x128 (repeatable)."
 
 
-def _bench_and_print(dense, sparse, *, device, tokens, batch, shape, warmup, runs, as_json, dense_path=None,
+def _bench_and_print(dense, sparse, *, device_choice, tokens, batch, shape, warmup, runs, as_json, dense_path=None,
                      sparse_path=None, extra=None):
+    """device_choice: (device, notes) from benchmodel.pick_device, made once per command."""
     from rich.progress import Progress
 
     from . import benchmodel as bm
     from .inputs import parse_shape_overrides
 
     overrides = parse_shape_overrides(shape)
-    chosen, _ = bm.pick_device(device)
+    chosen, notes = device_choice
     settings = bm.default_settings(chosen, tokens, batch)
     if overrides and not tokens and all(s.name in overrides for s in bm.input_specs(dense)):
         settings = [("custom", batch, 1)]  # every input fixed by --shape: one setting
@@ -203,7 +204,7 @@ def _bench_and_print(dense, sparse, *, device, tokens, batch, shape, warmup, run
     warmup = warmup if warmup is not None else (10 if chosen == "cuda" else 3)
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("loading", total=None)
-        report = bm.bench_pair(dense, sparse, settings, overrides, device=chosen, warmup=warmup, runs=runs,
+        report = bm.bench_pair(dense, sparse, settings, overrides, device=chosen, notes=notes, warmup=warmup, runs=runs,
                                dense_path=dense_path, sparse_path=sparse_path,
                                progress=lambda what: progress.update(task, description=what))
     for note in report.notes:
@@ -233,6 +234,7 @@ def bench_model(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ):
     """Dense vs N:M in ONNX Runtime: latency (p10/p50/p90), op time split, size, memory, agreement, energy."""
+    from . import benchmodel as bm
     from .modelio import load_model
     from .prune import get_criterion, prune_model
 
@@ -249,7 +251,7 @@ def bench_model(
                                                  calibration=_calibration(dense, criterion, None, 8, 64))
         extra = {"dense_model": str(model), "nm": str(pattern), "method": prune_report.method,
                  "pruned_layers": len(prune_report.layers)}
-    _bench_and_print(dense, sparse_model, device=device, tokens=tokens, batch=batch, shape=shape, warmup=warmup,
+    _bench_and_print(dense, sparse_model, device_choice=bm.pick_device(device), tokens=tokens, batch=batch, shape=shape, warmup=warmup,
                      runs=runs, as_json=as_json, dense_path=str(model), sparse_path=str(sparse) if sparse else None,
                      extra=extra)
 
@@ -279,7 +281,7 @@ def demo(
     from .prune import prune_model
 
     pattern = NMPattern.parse(nm)
-    chosen, _ = bm.pick_device(device)
+    chosen, notes = bm.pick_device(device)
     base = GPU_DEFAULT if chosen == "cuda" else CPU_DEFAULT
     config = LlamaConfig(hidden=hidden or base.hidden, ffn=ffn or base.ffn, heads=heads or base.heads,
                          layers=layers or base.layers, dtype=dtype or base.dtype).check()
@@ -295,7 +297,7 @@ def demo(
         save_model(sparse, sparse_path)
     if not as_json:
         out.print(f"[green]saved[/] {dense_path} and {sparse_path} ({len(prune_report.layers)} layers pruned to {pattern})")
-    _bench_and_print(dense, sparse, device=chosen, tokens=tokens, batch=1, shape=[], warmup=None, runs=runs,
+    _bench_and_print(dense, sparse, device_choice=(chosen, notes), tokens=tokens, batch=1, shape=[], warmup=None, runs=runs,
                      as_json=as_json, dense_path=str(dense_path), sparse_path=str(sparse_path),
                      extra={"config": config.to_dict(), "nm": str(pattern), "dense_model": str(dense_path),
                             "sparse_model": str(sparse_path)})

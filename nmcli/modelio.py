@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from .errors import ModelError, OutputError
+from .errors import ModelError, OutputError, first_line
 
 PROTOBUF_LIMIT = 2**31 - 1
 EXTERNAL_THRESHOLD = 1_800_000_000  # save tensors externally well before protobuf's 2 GB cap
@@ -24,7 +24,7 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     try:
         model = onnx.load(str(p), load_external_data=True)
     except Exception as exc:  # protobuf raises several unrelated types for garbage input
-        raise ModelError(f"{p}: not a readable ONNX model ({_first_line(exc)})") from None
+        raise ModelError(f"{p}: not a readable ONNX model ({first_line(exc, limit=200)})") from None
     if not model.graph.node and not model.graph.initializer:
         raise ModelError(f"{p}: not an ONNX model (no graph found)")
     return model
@@ -116,8 +116,3 @@ def raw_initializer_bytes(model: onnx.ModelProto) -> int:
 def _small_enough_to_measure(model: onnx.ModelProto) -> bool:
     # ByteSize() overflows past 2 GB in some protobuf builds; count raw tensor bytes first.
     return raw_initializer_bytes(model) < PROTOBUF_LIMIT
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__

@@ -58,11 +58,6 @@ __device__ __forceinline__ void load_position(const S* src, float (&x)[R]) {
   for (int r = 0; r < R; ++r) x[r] = packed_entry<S>(w, r);
 }
 
-template <typename S> __device__ __forceinline__ S stage_value(float v);
-template <> __device__ __forceinline__ float stage_value<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half stage_value<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 stage_value<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
 // Stages positions [p0, p0 + staged) of every row as [skew(pos)][R]. X reads as zero past K and
 // past the real rows (the format's padding entries point there with zero values, and zero times
 // garbage can be NaN). 16-byte loads when K is a multiple of the vector and X is aligned.
@@ -79,14 +74,14 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
       uint4 v = make_uint4(0, 0, 0, 0);
       if (k < p.k && r < p.rows) v = __ldg(reinterpret_cast<const uint4*>(p.x + r * p.k + k));
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) xs[skew(pos + i) * R + r] = stage_value<S>(vec_entry<T>(v, i));
+      for (int i = 0; i < VEC; ++i) xs[skew(pos + i) * R + r] = from_f32<S>(vec_entry<T>(v, i));
     }
   } else {
 #pragma unroll 4
     for (int idx = threadIdx.x; idx < staged * R; idx += kThreads) {
       const int r = idx / staged, pos = idx - r * staged;
       const int64_t k = p0 + pos;
-      xs[skew(pos) * R + r] = stage_value<S>(k < p.k && r < p.rows ? to_f32(p.x[r * p.k + k]) : 0.f);
+      xs[skew(pos) * R + r] = from_f32<S>(k < p.k && r < p.rows ? to_f32(p.x[r * p.k + k]) : 0.f);
     }
   }
 }

@@ -50,6 +50,21 @@ __device__ __forceinline__ void stage_activations(const PathParams<T>& p, T (*xs
   }
 }
 
+// Writes kValues expanded 16-bit values (kValues / 2 packed words) to a weight-tile row with the
+// widest stores their alignment allows (dense runs start on a multiple of their own length).
+template <int kValues, typename T>
+__device__ __forceinline__ void store_dense(T* dst, const uint32_t* dense) {
+  if constexpr (kValues % 8 == 0) {
+#pragma unroll
+    for (int q = 0; q < kValues / 8; ++q)
+      reinterpret_cast<uint4*>(dst)[q] = make_uint4(dense[4 * q], dense[4 * q + 1], dense[4 * q + 2], dense[4 * q + 3]);
+  } else if constexpr (kValues == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(dense[0], dense[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = dense[0];
+  }
+}
+
 // Global data of one K step, held in registers so the next step's loads overlap this step's
 // MMAs: the activation tile as 16-byte vectors and, for power-of-two N dividing 8, the packed
 // weight tile as 16-byte vectors of 8 stored entries plus their 8*B offset bits.
@@ -133,15 +148,7 @@ __device__ __forceinline__ void expand_w_regs(const StepRegs<BM, BN>& r, T (*ws)
       for (int o = 0; o < kM; ++o)
         if (off == static_cast<uint32_t>(o)) dense[(base + o) / 2] |= value << (16 * ((base + o) & 1));
     }
-    T* dst = &ws[V::column(v)][V::within(v) * kPositions];
-    if constexpr (kPositions % 8 == 0) {
-#pragma unroll
-      for (int q = 0; q < kPositions / 8; ++q)
-        reinterpret_cast<uint4*>(dst)[q] = make_uint4(dense[4 * q], dense[4 * q + 1], dense[4 * q + 2], dense[4 * q + 3]);
-    } else {
-#pragma unroll
-      for (int q = 0; q < kPositions / 2; ++q) reinterpret_cast<uint32_t*>(dst)[q] = dense[q];
-    }
+    store_dense<kPositions>(&ws[V::column(v)][V::within(v) * kPositions], dense);
   }
 }
 
@@ -166,16 +173,7 @@ __device__ __forceinline__ void expand_w_direct(const PathParams<T>& p, T (*ws)[
           if (off == static_cast<uint32_t>(i)) dense[i / 2] |= v << (16 * (i & 1));
       }
     }
-    T* dst = &ws[c][gl * kM];
-    if constexpr (kM >= 8) {
-#pragma unroll
-      for (int i = 0; i < kM / 8; ++i)
-        reinterpret_cast<uint4*>(dst)[i] = make_uint4(dense[4 * i], dense[4 * i + 1], dense[4 * i + 2], dense[4 * i + 3]);
-    } else if constexpr (kM == 4) {
-      *reinterpret_cast<uint2*>(dst) = make_uint2(dense[0], dense[1]);
-    } else {
-      *reinterpret_cast<uint32_t*>(dst) = dense[0];
-    }
+    store_dense<kM>(&ws[c][gl * kM], dense);
   }
 }
 
