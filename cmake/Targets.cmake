@@ -1,6 +1,7 @@
 set(NMCLI_KERNEL_CPU_SOURCES kernels/cpu/nm_matmul_cpu.cc)
 set(NMCLI_OPS_SOURCES ops/register.cc ops/nm_matmul_common.cc ops/nm_matmul_cpu_op.cc ops/op_timer.cc)
-set(NMCLI_KERNEL_CUDA_SOURCES kernels/cuda/decode_f32.cu kernels/cuda/decode_f16.cu kernels/cuda/decode_bf16.cu kernels/cuda/tiled.cu kernels/cuda/mma.cu kernels/cuda/dispatch.cu)
+include(${PROJECT_SOURCE_DIR}/cmake/KernelSources.cmake)
+set(NMCLI_KERNEL_CUDA_SOURCES ${NMCLI_KERNEL_CUDA_FILES})
 
 add_library(nmcli_kernels STATIC ${NMCLI_KERNEL_CPU_SOURCES})
 target_include_directories(nmcli_kernels PUBLIC ${PROJECT_SOURCE_DIR}/kernels)

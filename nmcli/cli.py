@@ -1,6 +1,7 @@
 """The nmcli command line: a thin shell over the library (prune_model, session, ...)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -66,6 +67,8 @@ NM_HELP = "N:M pattern: keep N of every M consecutive weights along K (2:4, 2:8,
 INCLUDE_HELP = "Only prune layers whose node or weight name matches this regex (repeatable)."
 EXCLUDE_HELP = "Skip layers whose node or weight name matches this regex (repeatable)."
 MIN_SIZE_HELP = "Skip weights with fewer elements than this."
+PERMUTE_HELP = ("Reorder input channels before N:M grouping where it keeps more of the criterion score "
+                "(one Gather of the activation per call; outputs equal the dense model with the same weights).")
 
 
 @app.command()
@@ -80,6 +83,7 @@ def prune(
                                                                "model input, samples on axis 0."),
     calib_samples: int = typer.Option(8, "--calib-samples", min=1, help="Generated calibration samples without --calib."),
     calib_tokens: int = typer.Option(64, "--calib-tokens", min=1, help="Sequence length of generated samples."),
+    permute: bool = typer.Option(False, "--permute", help=PERMUTE_HELP),
     include: List[str] = typer.Option([], "--include", help=INCLUDE_HELP),
     exclude: List[str] = typer.Option([], "--exclude", help=EXCLUDE_HELP),
     min_size: int = typer.Option(0, "--min-size", min=0, help=MIN_SIZE_HELP),
@@ -97,7 +101,8 @@ def prune(
     dense = load_model(model)
     selection = Selection(pattern, include=include, exclude=exclude, min_size=min_size)
     feeds = _calibration(dense, criterion, calib, calib_samples, calib_tokens)
-    pruned, report = prune_model(dense, selection, criterion=criterion, calibration=feeds)
+    with err.status("searching channel orders (--permute)") if permute else contextlib.nullcontext():
+        pruned, report = prune_model(dense, selection, criterion=criterion, calibration=feeds, permute=permute)
     _check(pruned)
     written = save_model(pruned, output)
     if as_json:
@@ -224,6 +229,7 @@ def bench_model(
     nm: Optional[str] = typer.Option(None, "--nm", help="Prune in memory to this N:M and compare. " + NM_HELP),
     sparse: Optional[Path] = typer.Option(None, "--sparse", help="Compare against this already converted model."),
     method: str = typer.Option("magnitude", "--method", help="Pruning criterion with --nm."),
+    permute: bool = typer.Option(False, "--permute", help="With --nm: " + PERMUTE_HELP),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when there is a GPU), cuda or cpu."),
     tokens: List[int] = typer.Option([], "--tokens", min=1, help="Sequence lengths to sweep "
                                      "[default: 1 and 512 on a GPU, 1 and 64 on a CPU]."),
@@ -240,6 +246,8 @@ def bench_model(
 
     if (nm is None) == (sparse is None):
         raise NmcliError("give exactly one of --nm N:M (prune in memory) or --sparse MODEL (compare two files)")
+    if permute and nm is None:
+        raise NmcliError("--permute applies when pruning in memory (--nm); prune the --sparse model with it instead")
     dense = load_model(model)
     if sparse is not None:
         sparse_model = load_model(sparse)
@@ -248,9 +256,10 @@ def bench_model(
         pattern = NMPattern.parse(nm)
         criterion = get_criterion(method)
         sparse_model, prune_report = prune_model(dense, Selection(pattern), criterion=criterion,
-                                                 calibration=_calibration(dense, criterion, None, 8, 64))
+                                                 calibration=_calibration(dense, criterion, None, 8, 64),
+                                                 permute=permute)
         extra = {"dense_model": str(model), "nm": str(pattern), "method": prune_report.method,
-                 "pruned_layers": len(prune_report.layers)}
+                 "permute": permute, "pruned_layers": len(prune_report.layers)}
     _bench_and_print(dense, sparse_model, device_choice=bm.pick_device(device), tokens=tokens, batch=batch, shape=shape, warmup=warmup,
                      runs=runs, as_json=as_json, dense_path=str(model), sparse_path=str(sparse) if sparse else None,
                      extra=extra)
@@ -357,6 +366,49 @@ def bench_kernels(
                       f"{r.speedup:.2f}x", f"{r.gbps:.0f}", f"{r.pct_copy_bw:.0f}%", f"{r.tflops:.1f}",
                       f"{r.cublas_tflops:.1f}")
     out.print(table)
+
+
+@app.command("eval")
+@handle_errors
+def eval_models(
+    dense: Path = typer.Argument(..., help="The dense ONNX model."),
+    sparse: Path = typer.Argument(..., help="The converted model (from nmcli prune)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Inputs to compare on: .npz with one array per model "
+                                                               "input, samples on axis 0 [default: generated]."),
+    samples: int = typer.Option(8, "--samples", min=1, help="Generated samples without --calib."),
+    tokens: int = typer.Option(64, "--tokens", min=1, help="Sequence length of generated samples."),
+    shape: List[str] = typer.Option([], "--shape", help=BENCH_SHAPE_HELP),
+    seed: int = typer.Option(0, "--seed", help="Seed of the generated inputs."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+):
+    """Output agreement (relative error, cosine, top-1) and per-layer weight error, dense vs sparse."""
+    import numpy as np
+
+    from .calibrate import load_calibration
+    from .evaluate import evaluate
+    from .inputs import input_specs, parse_shape_overrides, random_feeds, resolve_shapes
+    from .modelio import load_model
+
+    dense_model, sparse_model = load_model(dense), load_model(sparse)
+    specs = input_specs(dense_model)
+    if calib is not None:
+        if shape:
+            raise NmcliError("--shape applies to generated inputs; the --calib file fixes the shapes")
+        feeds, source = load_calibration(calib, specs), str(calib)
+    else:
+        shapes = resolve_shapes(specs, 1, tokens, parse_shape_overrides(shape))
+        rng = np.random.default_rng(seed)
+        feeds = [random_feeds(specs, shapes, rng) for _ in range(samples)]
+        source = "generated random inputs"
+    with err.status("running both models"):
+        report = evaluate(dense_model, sparse_model, feeds, source, str(dense), str(sparse))
+    for note in report.notes:
+        err.print(f"[yellow]note:[/] {note}", highlight=False)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    for table in report.tables():
+        out.print(table)
 
 
 @app.command("ops-path")

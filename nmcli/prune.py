@@ -26,6 +26,8 @@ class PrunedWeight:
     indices_name: str
     rel_error: float
     dense_bytes: int
+    perm_name: str | None = None   # int64 [K] channel order (see permute.py), None = identity
+    perm_gain: float = 0.0         # relative gain in kept criterion score from the order
 
 
 def _channel_norms(model, chosen, calibration) -> dict:
@@ -52,10 +54,10 @@ def get_criterion(method: str) -> MaskCriterion:
         raise NmcliError(f"unknown pruning method '{method}' (choose from: {', '.join(CRITERIA)})") from None
 
 
-def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, criterion: MaskCriterion,
-                 layer: LayerContext) -> tuple[nmformat.PackedWeight, float]:
-    """Pack one weight [K, Nout]; returns the packed weight and ||W - W'|| / ||W||."""
-    offsets = choose_offsets(criterion.scores(weight, layer), pattern)
+def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, scores: np.ndarray
+                 ) -> tuple[nmformat.PackedWeight, float]:
+    """Pack one weight [K, Nout] keeping the top scores; returns it and ||W - W'|| / ||W||."""
+    offsets = choose_offsets(scores, pattern)
     packed = nmformat.pack(weight, offsets, pattern)
     dense = weight.astype(np.float64)
     norm = np.linalg.norm(dense)
@@ -64,11 +66,13 @@ def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, criterion: Mas
 
 
 def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "magnitude",
-                criterion: MaskCriterion | None = None, calibration: list[dict] | None = None
-                ) -> tuple[onnx.ModelProto, PruneReport]:
+                criterion: MaskCriterion | None = None, calibration: list[dict] | None = None,
+                permute: bool = False) -> tuple[onnx.ModelProto, PruneReport]:
     """Return a pruned copy of `model` (the input is not modified) and the per-layer report.
 
-    `calibration`: input feeds (one dict per sample) for activation-aware criteria."""
+    `calibration`: input feeds (one dict per sample) for activation-aware criteria.
+    `permute`: reorder input channels before grouping where that keeps more of the criterion
+    score (permute.py); the pruned node then reads its activation through a Gather."""
     criterion = criterion or get_criterion(method)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -84,22 +88,32 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
 
     norms = _channel_norms(model, chosen, calibration) if getattr(criterion, "needs_calibration", False) else {}
+    unique = {c.weight_key: c for c in reversed(chosen)}  # first node of each weight wins
+    scores = {key: criterion.scores(c.weight, LayerContext(node_name=c.name, weight_name=c.weight_name,
+                                                          input_channel_norms=norms.get(key)))
+              for key, c in unique.items()}
+    if permute and _default_opset(out) < 11:
+        raise ModelError("--permute needs opset 11 or later (it adds Gather nodes with axis=-1); "
+                         f"the model uses opset {_default_opset(out)}")
+    orders = _channel_orders(chosen, scores, selection.pattern, graph, taken) if permute else {}
     pruned: dict[tuple[str, bool], PrunedWeight] = {}
     for cand in chosen:
-        if cand.weight_key in pruned:
+        key = cand.weight_key
+        if key in pruned:
             continue
-        layer = LayerContext(node_name=cand.name, weight_name=cand.weight_name,
-                             input_channel_norms=norms.get(cand.weight_key))
-        packed, rel_error = prune_weight(cand.weight, selection.pattern, criterion, layer)
-        base = cand.weight_name + (".T" if cand.weight_key[1] else "")
+        perm_name, perm, gain = orders.get(key, (None, None, 0.0))
+        weight, score = (cand.weight, scores[key]) if perm is None else (cand.weight[perm], scores[key][perm])
+        packed, rel_error = prune_weight(weight, selection.pattern, score)
+        base = cand.weight_name + (".T" if key[1] else "")
         entry = PrunedWeight(packed, _unique(base + ".nm_values", taken), _unique(base + ".nm_indices", taken),
-                             rel_error, cand.weight.nbytes)
+                             rel_error, cand.weight.nbytes, perm_name, gain)
         graph.initializer.extend([numpy_helper.from_array(packed.values, entry.values_name),
                                   numpy_helper.from_array(packed.indices, entry.indices_name)])
-        pruned[cand.weight_key] = entry
+        pruned[key] = entry
 
     sharing = {key: sum(c.weight_key == key for c in chosen) for key in pruned}
-    replacements = {id(c.node): _rewrite_node(c, pruned[c.weight_key], graph, taken) for c in chosen}
+    gathers: dict[tuple[str, str], str] = {}
+    replacements = {id(c.node): _rewrite_node(c, pruned[c.weight_key], graph, taken, gathers) for c in chosen}
     new_nodes = []
     for node in graph.node:
         new_nodes.extend(replacements.get(id(node), [node]))
@@ -117,11 +131,55 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
         report.layers.append(LayerReport(
             node=cand.name, op_type=cand.node.op_type, weight=cand.weight_name, k=k, nout=nout,
             dtype=str(cand.weight.dtype), rel_error=entry.rel_error, bytes_before=entry.dense_bytes,
-            bytes_after=entry.packed.nbytes, shared_by=sharing[cand.weight_key]))
+            bytes_after=entry.packed.nbytes, shared_by=sharing[cand.weight_key],
+            permuted=entry.perm_name is not None, perm_gain=entry.perm_gain))
     return out, report
 
 
-def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, taken: set[str]) -> list[onnx.NodeProto]:
+def _channel_orders(chosen: list[Candidate], scores: dict, pattern: nmformat.NMPattern, graph: onnx.GraphProto,
+                    taken: set[str]) -> dict:
+    """weight key -> (perm initializer name, perm, gain) for weights whose order is worth it.
+
+    Weights that read the same activation must share one order (one Gather feeds them all),
+    and so must nodes that share a weight: the groups are the connected components of the
+    activation-weight graph. Each weight's scores are normalised so every weight counts
+    alike in its group's search."""
+    from .calibrate import activation_of
+    from .permute import find_permutation
+
+    parent: dict = {}
+
+    def root(x):
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for cand in chosen:
+        parent[root(("act", activation_of(cand)))] = root(("w", cand.weight_key))
+    components: dict = {}
+    for cand in chosen:
+        keys = components.setdefault(root(("w", cand.weight_key)), [])
+        if cand.weight_key not in keys:
+            keys.append(cand.weight_key)
+    orders = {}
+    for keys in components.values():
+        joint = np.concatenate([scores[k] / max(float(scores[k].sum()), 1e-300) for k in keys], axis=1)
+        result = find_permutation(joint, pattern)
+        if not result.improves:
+            continue
+        name = _unique(keys[0][0] + ".nm_perm", taken)
+        graph.initializer.append(numpy_helper.from_array(result.perm, name))
+        for k in keys:
+            orders[k] = (name, result.perm, result.gain)
+    return orders
+
+
+def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, taken: set[str],
+                  gathers: dict[tuple[str, str], str]) -> list[onnx.NodeProto]:
+    """The op node (plus a Transpose for Gemm transA, a Gather for a channel order, bias nodes).
+
+    `gathers` (activation, perm) -> gathered name lets nodes that read the same activation in
+    the same order share one Gather."""
     node, shape = cand.node, entry.packed.shape
     attrs = dict(n=shape.pattern.n, m=shape.pattern.m, k=shape.k)
     inputs = [node.input[0], entry.values_name, entry.indices_name]
@@ -140,6 +198,14 @@ def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, 
             inputs.append(bias)
         if product is not None:
             output = product
+    if entry.perm_name is not None:
+        # x[..., perm] @ W[perm] == x @ W: the op sees the channels in packed order.
+        key = (inputs[0], entry.perm_name)
+        if key not in gathers:
+            gathers[key] = _unique(inputs[0] + ".nm_permuted", taken)
+            pre.append(helper.make_node("Gather", [inputs[0], entry.perm_name], [gathers[key]],
+                                        name=gathers[key], axis=-1))
+        inputs[0] = gathers[key]
     core = helper.make_node(OP_TYPE, inputs, [output], name=node.name or output, domain=OP_DOMAIN, **attrs)
     return pre + [core] + post
 
@@ -205,6 +271,10 @@ def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
             names.update(sub.input)
             names.update(_subgraph_inputs(sub))
     return names
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def _unique(name: str, taken: set[str]) -> str:

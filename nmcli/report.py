@@ -18,6 +18,8 @@ class LayerReport:
     bytes_before: int
     bytes_after: int
     shared_by: int = 1        # nodes using this weight (it is stored, and counted, once)
+    permuted: bool = False    # input channels reordered before grouping (--permute)
+    perm_gain: float = 0.0    # relative gain in kept criterion score from that order
 
 
 @dataclass
@@ -71,11 +73,17 @@ class PruneReport:
         table.add_column("after", justify="right", footer=human_bytes(self.bytes_after))
         ratio = self.bytes_before / self.bytes_after if self.bytes_after else 0.0
         table.add_column("ratio", justify="right", footer=f"{ratio:.2f}x")
+        permuted = any(layer.permuted for layer in self.layers)
+        if permuted:
+            table.add_column("channel order", justify="right")
         for layer in self.layers:
             shared = f" (shared x{layer.shared_by})" if layer.shared_by > 1 else ""
-            table.add_row(layer.node + shared, layer.op_type, f"{layer.k} x {layer.nout}", self.pattern,
-                          f"{layer.rel_error:.4f}", human_bytes(layer.bytes_before), human_bytes(layer.bytes_after),
-                          f"{layer.bytes_before / layer.bytes_after:.2f}x")
+            row = [layer.node + shared, layer.op_type, f"{layer.k} x {layer.nout}", self.pattern,
+                   f"{layer.rel_error:.4f}", human_bytes(layer.bytes_before), human_bytes(layer.bytes_after),
+                   f"{layer.bytes_before / layer.bytes_after:.2f}x"]
+            if permuted:
+                row.append(f"+{layer.perm_gain * 100:.2f}% score" if layer.permuted else "identity")
+            table.add_row(*row)
         return table
 
     def skipped_table(self) -> Table | None:

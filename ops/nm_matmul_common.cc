@@ -1,6 +1,9 @@
 #include "nm_matmul_common.h"
 
+#include <atomic>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace nmcli {
 namespace {
@@ -59,6 +62,10 @@ NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& a
   return call;
 }
 
+namespace {
+std::atomic<unsigned long long> g_unknown_dims{0};
+}  // namespace
+
 OrtStatusPtr infer_output_shape(OrtShapeInferContext* ctx) {
   const OrtApi& api = Ort::GetApi();
   OrtTensorTypeAndShapeInfo* x_info = nullptr;
@@ -83,6 +90,16 @@ OrtStatusPtr infer_output_shape(OrtShapeInferContext* ctx) {
       step(api.GetSymbolicDimensions(v_info, vsyms.data(), 2));
       dims.back() = vdims[0];
       syms.back() = vsyms[0];
+      // ORT writes a dim without a symbol as dim_value, so an unknown (-1) dim would become
+      // the value -1 and shape arithmetic downstream (Shape -> Concat -> Reshape) would see
+      // it as a literal -1. A fresh symbol keeps it unknown and equal to no other dim.
+      std::vector<std::string> fresh(x_rank);
+      for (size_t i = 0; i < x_rank; ++i) {
+        if (dims[i] < 0 && (syms[i] == nullptr || syms[i][0] == '\0')) {
+          fresh[i] = "nmcli_unk_" + std::to_string(g_unknown_dims.fetch_add(1));
+          syms[i] = fresh[i].c_str();
+        }
+      }
       if (!status && step(api.CreateTensorTypeAndShapeInfo(&out)) && step(api.SetTensorElementType(out, type)) &&
           step(api.SetDimensions(out, dims.data(), x_rank)) && step(api.SetSymbolicDimensions(out, syms.data(), x_rank)))
         step(api.ShapeInferContext_SetOutputTypeShape(ctx, 0, out));

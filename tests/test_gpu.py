@@ -59,21 +59,22 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
 
 
-def _pruned_block(rng, dtype):
+def _pruned_block(rng, dtype, permute=False):
     import nmcli
     from nmcli.toymodels import transformer_block
     model, _ = transformer_block(rng, hidden=256, ffn=688, dtype=dtype)
-    pruned, _ = nmcli.prune_model(model, nmcli.Selection(nmcli.NMPattern(2, 8)))
+    pruned, _ = nmcli.prune_model(model, nmcli.Selection(nmcli.NMPattern(2, 8)), permute=permute)
     return pruned
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype):
+@pytest.mark.parametrize("dtype,permute", [(np.float16, False), (np.float32, False), (np.float16, True)])
+def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype, permute):
     import onnx
     import onnxruntime as ort
 
     import nmcli
-    pruned = _pruned_block(rng, dtype)
+    pruned = _pruned_block(rng, dtype, permute)
+    assert any(n.op_type == "Gather" for n in pruned.graph.node) == permute
     x = rng.standard_normal((2, 5, 256)).astype(dtype)
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")

@@ -205,3 +205,22 @@ def test_op_rejects_mismatched_tensors(rng):
     pruned.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 300
     with pytest.raises(Exception, match="values have shape"):
         nmcli.session(pruned).run(None, {"x": rng.standard_normal((2, 300)).astype(np.float32)})
+
+
+def test_unknown_dims_stay_unknown_for_shape_arithmetic(rng):
+    """Exporters leave dims unnamed; the op's shape inference must not turn them into -1
+    values, or a Reshape built from Shape(y) sees several -1s (as in HF BERT exports)."""
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, None, 16])  # unnamed dims
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm"),
+             helper.make_node("Shape", ["y"], ["shape"], end=2),
+             helper.make_node("Concat", ["shape", "tail"], ["target"], axis=0),
+             helper.make_node("Reshape", ["y", "target"], ["z"])]
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([-1, 4], np.int64), "tail")]
+    model = make_model(nodes, [x], [vinfo("z", np.float32, None)], inits)
+    pruned, _ = prune_model(model, Selection(NMPattern(2, 4)))
+    feed = {"x": rng.standard_normal((2, 3, 16)).astype(np.float32)}
+    (z,) = run_sparse(pruned, feed)
+    ref, _ = dense_reference(feed["x"], magnitude_pruned(w, NMPattern(2, 4)))
+    assert z.shape == (2, 3, 2, 4)
+    assert relative_error(z.reshape(2, 3, 8), ref) < 1e-5
