@@ -1,8 +1,9 @@
 // Picks the path for a call and launches it.
 //
-// Rule (see BENCHMARKS.md for the measurements behind it): the decode path for 1..16
-// activation rows, where the product is memory-bound on the weight; above that the tensor-core
-// path where it applies (fp16/bf16, M in {2,4,8,16}), else the tiled SIMT path.
+// Rule (measured crossovers in BENCHMARKS.md, session 3: nmcli_bench --path decode|mma on
+// LLaMA shapes at 1..32 rows): the decode path for 1..8 activation rows; from 9 rows the
+// tensor-core path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a cluster keeps
+// small row counts fast), else decode up to 16 rows and the tiled SIMT path above.
 #include "kernels.cuh"
 #include "nm_matmul_cuda.h"
 
@@ -63,9 +64,9 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
 }
 
 CudaPath choose_path(const CudaMatMul& call) {
-  if (call.rows <= kDecodeMaxRows) return CudaPath::decode;
+  if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
   if (path_supported(call, CudaPath::mma)) return CudaPath::mma;
-  return CudaPath::tiled;
+  return call.rows <= kDecodeMaxRows ? CudaPath::decode : CudaPath::tiled;
 }
 
 const char* path_name(CudaPath path) {

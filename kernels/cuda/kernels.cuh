@@ -24,6 +24,7 @@ struct DecodeParamsT : PathParams<T> {
 };
 
 constexpr int64_t kDecodeMaxRows = 16;  // the decode path handles 1..16 activation rows
+constexpr int64_t kDecodeMmaCrossover = 8;  // ... and is faster than the mma path up to 8
 
 template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t stream);
 template <typename T> cudaError_t run_tiled(PathParams<T> p, cudaStream_t stream);

@@ -10,6 +10,16 @@
 // weights are loaded into registers while the current step's MMAs run (one step of prefetch).
 // Rows are padded by 8 elements so ldmatrix's eight row addresses fall in different banks.
 // Other patterns and fp32 run on the tiled SIMT path (tiled.cu).
+//
+// Split-K over a thread-block cluster (sm_90): when the output has too few tiles to fill the
+// GPU (few rows, or a narrow output), each tile is computed by a cluster of up to 8 blocks,
+// each walking a slice of K; the partial tiles are summed through distributed shared memory,
+// so there is no workspace and no second kernel. A block's K walk is a chain of dependent
+// load -> expand -> MMA steps, so walking a slice instead of all of K is what makes small-row
+// calls fast.
+#include <cooperative_groups.h>
+
+#include <algorithm>
 #include <type_traits>
 
 #include "common.cuh"
@@ -18,7 +28,11 @@
 namespace nmcli {
 namespace {
 
-constexpr int kThreads = 256, kWarpsM = 2, kWarpsN = 4;
+constexpr int kThreads = 256;
+// Warp layout of a block tile: 2 x 4 warps for 64- and 128-row tiles, 1 x 8 for the 16-row
+// tile used for 1..16 activation rows (each warp then owns 16 rows x BN/8 columns).
+template <int BM> __host__ __device__ constexpr int warps_m() { return BM >= 64 ? 2 : 1; }
+template <int BM> __host__ __device__ constexpr int warps_n() { return 8 / warps_m<BM>(); }
 constexpr int BK = 64, LDS = BK + 8;
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_ptr) {
@@ -70,7 +84,8 @@ __device__ __forceinline__ void store_dense(T* dst, const uint32_t* dense) {
 // weight tile as 16-byte vectors of 8 stored entries plus their 8*B offset bits.
 template <int BM, int BN>
 struct StepRegs {
-  static constexpr int kX = BM * BK / 8 / kThreads;
+  static constexpr int kXVectors = BM * BK / 8;                 // 16-byte vectors of the x tile
+  static constexpr int kX = (kXVectors + kThreads - 1) / kThreads;
   static constexpr int kW = BN * BK / 8 / kThreads;  // enough for N/M <= 1 (we need <= 1/2)
   uint4 x[kX];
   uint4 w[kW];
@@ -82,6 +97,7 @@ __device__ __forceinline__ void load_x_regs(const PathParams<T>& p, StepRegs<BM,
 #pragma unroll
   for (int i = 0; i < StepRegs<BM, BN>::kX; ++i) {
     const int idx = threadIdx.x + i * kThreads, rr = idx / (BK / 8), c = idx % (BK / 8) * 8;
+    if (idx >= StepRegs<BM, BN>::kXVectors) break;
     const int64_t row = row0 + rr, k = k0 + c;
     r.x[i] = (row < p.rows && k < p.k) ? __ldg(reinterpret_cast<const uint4*>(p.x + row * p.k + k)) : make_uint4(0, 0, 0, 0);
   }
@@ -92,6 +108,7 @@ __device__ __forceinline__ void store_x_regs(const StepRegs<BM, BN>& r, T (*xs)[
 #pragma unroll
   for (int i = 0; i < StepRegs<BM, BN>::kX; ++i) {
     const int idx = threadIdx.x + i * kThreads;
+    if (idx >= StepRegs<BM, BN>::kXVectors) break;
     *reinterpret_cast<uint4*>(&xs[idx / (BK / 8)][idx % (BK / 8) * 8]) = r.x[i];
   }
 }
@@ -178,18 +195,59 @@ __device__ __forceinline__ void expand_w_direct(const PathParams<T>& p, T (*ws)[
 }
 
 // kN == 0: runtime N, direct expansion; else N is a power of two dividing 8 with 8N/M >= 1.
-template <typename T, int kN, int kM, int BM, int BN>
+// kSplit: the tile may be split over K across a cluster of gridDim.z blocks (64x64 tiles only).
+template <typename T, int BM, int BN, bool kSplit>
+struct TileSmem {
+  static constexpr size_t kOperands = static_cast<size_t>(BM + BN) * LDS * sizeof(T);
+  static constexpr size_t kPartial = kSplit ? static_cast<size_t>(BM) * BN * sizeof(float) : 0;
+  static constexpr size_t kBytes = kOperands > kPartial ? kOperands : kPartial;
+};
+
+template <typename T, int BM, int BN>
+__device__ __forceinline__ void store_output(const PathParams<T>& p, int64_t row, int64_t col, float v) {
+  if (row < p.rows && col < p.nout) p.y[row * p.nout + col] = from_f32<T>(p.alpha * v + (p.bias ? to_f32(p.bias[col]) : 0.f));
+}
+
+// Sums the cluster's partial tiles (each block's `partial` in its own shared memory); block r
+// of the cluster reduces and stores rows [r*BM/S, (r+1)*BM/S) of the tile.
+template <typename T, int BM, int BN>
+__device__ __forceinline__ void reduce_cluster(const PathParams<T>& p, float* partial, int64_t row0, int64_t col0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every partial tile is written
+  const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  const int rows_per = (BM + splits - 1) / splits, r0 = rank * rows_per, r1 = min(BM, r0 + rows_per);
+  for (int idx = threadIdx.x; idx < (r1 - r0) * BN; idx += kThreads) {
+    const int r = r0 + idx / BN, c = idx % BN;
+    float sum = 0.f;
+    for (int q = 0; q < splits; ++q) sum += cluster.map_shared_rank(partial, q)[r * BN + c];
+    store_output<T, BM, BN>(p, row0 + r, col0 + c, sum);
+  }
+  cluster.sync();  // peers' shared memory must outlive the reads above
+#else
+  __trap();  // split_for never splits without cluster support
+#endif
+}
+
+template <typename T, int kN, int kM, int BM, int BN, bool kSplit>
 __global__ void __launch_bounds__(kThreads) mma_kernel(PathParams<T> p, bool vector_loads) {
+  constexpr int kWarpsM = warps_m<BM>(), kWarpsN = warps_n<BM>();
   constexpr int TM = BM / kWarpsM, TN = BN / kWarpsN;  // warp tile
   constexpr int MT = TM / 16, NT = TN / 8;              // mma tiles per warp
   constexpr bool kPipelined = kN > 0;
   static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
-  __shared__ __align__(16) T xs[BM][LDS];
-  __shared__ __align__(16) T ws[BN][LDS];
+  __shared__ __align__(16) unsigned char smem[TileSmem<T, BM, BN, kSplit>::kBytes];
+  T (*xs)[LDS] = reinterpret_cast<T (*)[LDS]>(smem);
+  T (*ws)[LDS] = reinterpret_cast<T (*)[LDS]>(smem + static_cast<size_t>(BM) * LDS * sizeof(T));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wm = warp / kWarpsN, wn = warp % kWarpsN;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * BM, col0 = static_cast<int64_t>(blockIdx.x) * BN;
-  const int64_t steps = (p.groups + BK / kM - 1) / (BK / kM);
+  const int64_t all_steps = (p.groups + BK / kM - 1) / (BK / kM);
+  // This block's slice of K steps (all of them without a split).
+  const int64_t per_split = (all_steps + gridDim.z - 1) / gridDim.z;
+  const int64_t first = kSplit ? min(all_steps, blockIdx.z * per_split) : 0;
+  const int64_t steps = kSplit ? min(all_steps, first + per_split) : all_steps;
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -200,10 +258,12 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(PathParams<T> p, bool vec
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
   StepRegs<BM, BN> regs;
-  if (vector_loads) load_x_regs<T, BM, BN>(p, regs, row0, 0);
-  if constexpr (kPipelined) load_w_regs<T, kN, kM, BM, BN>(p, regs, col0, 0);
+  if (first < steps) {
+    if (vector_loads) load_x_regs<T, BM, BN>(p, regs, row0, first * BK);
+    if constexpr (kPipelined) load_w_regs<T, kN, kM, BM, BN>(p, regs, col0, first);
+  }
 
-  for (int64_t s = 0; s < steps; ++s) {
+  for (int64_t s = first; s < steps; ++s) {
     if (vector_loads) store_x_regs<BM, BN>(regs, xs);
     else stage_activations<T, BM>(p, xs, row0, s * BK);
     if constexpr (kPipelined) expand_w_regs<T, kN, kM, BM, BN>(regs, ws);
@@ -232,32 +292,75 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(PathParams<T> p, bool vec
     __syncthreads();
   }
 
+  // The loop ends on a barrier, so the operand tiles are free to hold the partial sums.
+  float* partial = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t row = row0 + wm * TM + i * 16 + (lane >> 2) + (e >> 1) * 8;
-        const int64_t col = col0 + wn * TN + j * 8 + (lane & 3) * 2 + (e & 1);
-        if (row < p.rows && col < p.nout)
-          p.y[row * p.nout + col] = from_f32<T>(p.alpha * acc[i][j][e] + (p.bias ? to_f32(p.bias[col]) : 0.f));
+        const int r = wm * TM + i * 16 + (lane >> 2) + (e >> 1) * 8;
+        const int c = wn * TN + j * 8 + (lane & 3) * 2 + (e & 1);
+        if constexpr (kSplit) partial[r * BN + c] = acc[i][j][e];
+        else store_output<T, BM, BN>(p, row0 + r, col0 + c, acc[i][j][e]);
       }
+  if constexpr (kSplit) reduce_cluster<T, BM, BN>(p, partial, row0, col0);
+}
+
+// Blocks of a cluster that split one tile over K (1 = no split): enough blocks for `waves`
+// per SM, at most 8 (the portable cluster size), each block keeping at least 2 K steps.
+int split_for(int64_t tiles, int64_t steps, int waves) {
+  static int cluster_ok = -1;
+  if (cluster_ok < 0) {
+    int device = 0, value = 0;
+    cluster_ok = cudaGetDevice(&device) == cudaSuccess &&
+                 cudaDeviceGetAttribute(&value, cudaDevAttrClusterLaunch, device) == cudaSuccess && value;
+  }
+  const int64_t target = waves * static_cast<int64_t>(multiprocessor_count());
+  if (!cluster_ok || tiles >= target) return 1;
+  const int64_t split = std::min<int64_t>({8, (target + tiles - 1) / tiles, steps / 2});
+  return static_cast<int>(std::max<int64_t>(1, split));
+}
+
+// BM x BN tiles, split over K across a cluster when there are too few tiles to fill the GPU.
+// The 16-row tile uses few registers (several blocks fit per SM), so it splits for 4 waves.
+template <typename T, int kN, int kM, int BM, int BN>
+cudaError_t launch_tile(const PathParams<T>& p, cudaStream_t stream, bool vector_loads, int64_t steps) {
+  const dim3 grid(static_cast<unsigned>((p.nout + BN - 1) / BN), static_cast<unsigned>((p.rows + BM - 1) / BM));
+  const int split = split_for(static_cast<int64_t>(grid.x) * grid.y, steps, BM <= 16 ? 4 : 2);
+  if (split == 1) {
+    mma_kernel<T, kN, kM, BM, BN, false><<<grid, kThreads, 0, stream>>>(p, vector_loads);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid.x, grid.y, static_cast<unsigned>(split));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = 1;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = static_cast<unsigned>(split);
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, mma_kernel<T, kN, kM, BM, BN, true>, p, vector_loads);
 }
 
 template <typename T, int kN, int kM>
 cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
   const bool vector_loads = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  const int64_t steps = (p.groups + BK / kM - 1) / (BK / kM);
+  if (p.rows <= 16) return launch_tile<T, kN, kM, 16, 128>(p, stream, vector_loads, steps);
   const int64_t big_tiles = (p.nout + 127) / 128 * ((p.rows + 127) / 128);
   if (big_tiles >= 2 * multiprocessor_count()) {  // enough 128x128 tiles to fill the GPU twice over
     const dim3 grid(static_cast<unsigned>((p.nout + 127) / 128), static_cast<unsigned>((p.rows + 127) / 128));
-    mma_kernel<T, kN, kM, 128, 128><<<grid, kThreads, 0, stream>>>(p, vector_loads);
-  } else {
-    const dim3 grid(static_cast<unsigned>((p.nout + 63) / 64), static_cast<unsigned>((p.rows + 63) / 64));
-    mma_kernel<T, kN, kM, 64, 64><<<grid, kThreads, 0, stream>>>(p, vector_loads);
+    mma_kernel<T, kN, kM, 128, 128, false><<<grid, kThreads, 0, stream>>>(p, vector_loads);
+    return cudaGetLastError();
   }
-  return cudaGetLastError();
+  return launch_tile<T, kN, kM, 64, 64>(p, stream, vector_loads, steps);
 }
+
 
 // Families with N a power of two dividing 8 and at least one 8-entry vector per column per step
 // take the pipelined kernel; other N with the same M the direct expansion.
