@@ -68,6 +68,7 @@ class BenchReport:
     runs: int
     dense: ModelSide
     sparse: ModelSide
+    cuda_graph: bool = False        # timed runs were CUDA-graph replays (ORT enable_cuda_graph)
     settings: list[SettingResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -107,27 +108,43 @@ def pick_device(requested: str) -> tuple[str, list[str]]:
     return "cuda", notes
 
 
+def _open(model: onnx.ModelProto, device: str, cuda_graph: bool = False):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if device == "cuda":
+        cuda = {"arena_extend_strategy": "kSameAsRequested"}
+        if cuda_graph:
+            cuda["enable_cuda_graph"] = "1"
+        providers = [("CUDAExecutionProvider", cuda)]
+    else:
+        providers = ["CPUExecutionProvider"]
+    try:
+        return session(model, providers=providers, sess_options=options)
+    except NmcliError:
+        raise
+    except Exception as exc:
+        what = "with CUDA graphs" if cuda_graph else ""
+        raise NmcliError(f"onnxruntime cannot load the model {what}: {first_line(exc)}".replace("  ", " ")) from None
+
+
 class BoundModel:
-    """A session with IO binding: inputs copied to the device once, outputs left there."""
+    """A session with IO binding: inputs copied to the device once, outputs left there.
 
-    def __init__(self, model: onnx.ModelProto, device: str):
-        import onnxruntime as ort
+    With `cuda_graph`, timed runs replay a CUDA graph that ORT captured (enable_cuda_graph):
+    a second session per input shape, every input and output bound to a fixed device buffer,
+    as a decode server would run. The plain session still serves the op-time split (our op's
+    timer runs on the host side of each launch, which a graph replay skips) and the outputs."""
 
+    def __init__(self, model: onnx.ModelProto, device: str, cuda_graph: bool = False):
         self.device = device
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if device == "cuda":
-            providers = [("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})]
-        else:
-            providers = ["CPUExecutionProvider"]
-        try:
-            self.session = session(model, providers=providers, sess_options=options)
-        except NmcliError:
-            raise
-        except Exception as exc:
-            raise NmcliError(f"onnxruntime cannot load the model: {first_line(exc)}") from None
+        self.model = model
+        self.cuda_graph = cuda_graph and device == "cuda"
+        self.session = _open(model, device)
         self.provider = self.session.get_providers()[0]
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.graph_session = self.graph_binding = None
 
     def bind(self, feeds: dict) -> None:
         import onnxruntime as ort
@@ -143,10 +160,39 @@ class BoundModel:
                 self.binding.bind_cpu_input(name, array)
         for name in self.outputs:
             self.binding.bind_output(name, "cuda" if self.device == "cuda" else "cpu")
+        if self.cuda_graph:
+            self._bind_graph()
+
+    def _bind_graph(self) -> None:
+        import onnxruntime as ort
+
+        self.run_plain()  # learns the output shapes and types
+        outputs = self.binding.get_outputs()
+        self.graph_session = None  # the previous shape's graph and buffers go first
+        self.graph_session = _open(self.model, self.device, cuda_graph=True)
+        self.graph_binding = self.graph_session.io_binding()
+        for name, value in zip((i.name for i in self.session.get_inputs()), self._keep):
+            self.graph_binding.bind_ortvalue_input(name, value)
+        self._graph_outputs = [ort.OrtValue.ortvalue_from_shape_and_type(v.shape(), _numpy_type(v), "cuda", 0)
+                               for v in outputs]
+        for name, value in zip(self.outputs, self._graph_outputs):
+            self.graph_binding.bind_ortvalue_output(name, value)
+        for _ in range(3):  # ORT captures the graph on an early run, later runs replay it
+            self._run(self.graph_session, self.graph_binding)
 
     def run(self) -> None:
+        if self.cuda_graph:
+            self._run(self.graph_session, self.graph_binding)
+        else:
+            self.run_plain()
+
+    def run_plain(self) -> None:
+        self._run(self.session, self.binding)
+
+    @staticmethod
+    def _run(sess, binding) -> None:
         try:
-            self.session.run_with_iobinding(self.binding)
+            sess.run_with_iobinding(binding)
         except Exception as exc:
             raise NmcliError(f"onnxruntime failed to run the model: {first_line(exc)}") from None
 
@@ -161,7 +207,16 @@ class BoundModel:
         return samples
 
     def outputs_numpy(self) -> list[np.ndarray]:
+        self.run_plain()
         return self.binding.copy_outputs_to_cpu()
+
+
+def _numpy_type(value) -> type:
+    """NumPy type of an OrtValue, for allocating a buffer like it."""
+    name = value.data_type()  # e.g. "tensor(float16)"
+    return {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+            "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
+            "tensor(bfloat16)": np.uint16}.get(name, np.float32)
 
 
 def _gpu_used() -> int:
@@ -210,12 +265,12 @@ class EnergyMeter:
 def op_time_per_run(bound: BoundModel, runs: int) -> float | None:
     """Milliseconds per run inside nmcli.NMMatMul kernels (None when the model has none)."""
     for _ in range(3):  # the other model just ran: let caches and clocks settle first
-        bound.run()
+        bound.run_plain()
     read_op_timing()  # reset
     set_op_timing(True)
     try:
         for _ in range(runs):
-            bound.run()
+            bound.run_plain()
     finally:
         set_op_timing(False)
     total_ms, calls = read_op_timing()
@@ -225,7 +280,7 @@ def op_time_per_run(bound: BoundModel, runs: int) -> float | None:
 def bench_pair(dense: onnx.ModelProto, sparse: onnx.ModelProto, settings: list[tuple[str, int, int]],
                overrides: dict, device: str, notes: list[str] = (), warmup: int = 10, runs: int = 100,
                dense_path: str | None = None, sparse_path: str | None = None, energy: bool = True,
-               progress=None, seed: int | None = None) -> BenchReport:
+               progress=None, seed: int | None = None, cuda_graph: bool = False) -> BenchReport:
     """settings: (name, batch, tokens) triples; overrides: input name -> shape for every setting;
     device and notes: what pick_device chose and why (the notes end up in the report)."""
     if device not in ("cuda", "cpu"):
@@ -248,14 +303,20 @@ def bench_pair(dense: onnx.ModelProto, sparse: onnx.ModelProto, settings: list[t
         runner.run()
         runners.append(runner)
         gpu_bytes.append(max(0, _gpu_used() - before) if device == "cuda" else None)
+        runner.cuda_graph = cuda_graph and device == "cuda"  # graph sessions from the first setting on
     dense_run, sparse_run = runners
     if device == "cuda" and (dense_run.provider != "CUDAExecutionProvider" or sparse_run.provider != "CUDAExecutionProvider"):
         raise NmcliError("onnxruntime did not place the models on the CUDA execution provider")
     meter = EnergyMeter() if energy and device == "cuda" else None
+    if cuda_graph and device != "cuda":
+        notes.append("--cuda-graph applies to the CUDA EP only: ignored on the CPU")
+    if cuda_graph and device == "cuda":
+        notes.append("CUDA graphs: latency and energy are graph replays; the op/other split is measured on "
+                     "plain runs, so 'other' is the graph replay time minus the op's kernel time")
     if device == "cuda" and energy and not meter.available:
         notes.append("energy not measured: install the optional extra (pip install 'nmcli[energy]') for NVML")
     report = BenchReport(
-        device=_device_name(device), provider=dense_run.provider, runs=runs,
+        device=_device_name(device), provider=dense_run.provider, runs=runs, cuda_graph=cuda_graph and device == "cuda",
         dense=ModelSide("dense", model_bytes(dense, dense_path), gpu_bytes[0]),
         sparse=ModelSide("sparse", model_bytes(sparse, sparse_path), gpu_bytes[1]), notes=notes)
     for name, batch, tokens in settings:
@@ -305,7 +366,8 @@ def report_tables(report: BenchReport) -> list:
 
     from .report import human_bytes
 
-    timing = Table(title=f"dense vs sparse on {report.device} ({report.provider}, median of {report.runs} runs)",
+    graphs = ", CUDA graphs" if report.cuda_graph else ""
+    timing = Table(title=f"dense vs sparse on {report.device} ({report.provider}{graphs}, median of {report.runs} runs)",
                    caption="ms: median, p10-p90 below; op ms: inside nmcli.NMMatMul per run; other: the rest; "
                            "mJ/run: dense above sparse (NVML); cosine, max|diff|: sparse vs dense outputs",
                    header_style="bold")

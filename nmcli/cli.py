@@ -192,8 +192,12 @@ app.add_typer(bench_app, name="bench")
 BENCH_SHAPE_HELP = "Input shape for every setting, NAME=DIMS like input_ids=1x128 (repeatable)."
 
 
+CUDA_GRAPH_HELP = ("Time CUDA-graph replays (ORT enable_cuda_graph, fixed device buffers), as a decode server "
+                   "runs; both models, GPU only.")
+
+
 def _bench_and_print(dense, sparse, *, device_choice, tokens, batch, shape, warmup, runs, as_json, dense_path=None,
-                     sparse_path=None, extra=None):
+                     sparse_path=None, extra=None, cuda_graph=False):
     """device_choice: (device, notes) from benchmodel.pick_device, made once per command."""
     from rich.progress import Progress
 
@@ -210,7 +214,7 @@ def _bench_and_print(dense, sparse, *, device_choice, tokens, batch, shape, warm
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("loading", total=None)
         report = bm.bench_pair(dense, sparse, settings, overrides, device=chosen, notes=notes, warmup=warmup, runs=runs,
-                               dense_path=dense_path, sparse_path=sparse_path,
+                               dense_path=dense_path, sparse_path=sparse_path, cuda_graph=cuda_graph,
                                progress=lambda what: progress.update(task, description=what))
     for note in report.notes:
         err.print(f"[yellow]warning:[/] {note}", highlight=False)
@@ -237,6 +241,7 @@ def bench_model(
     shape: List[str] = typer.Option([], "--shape", help=BENCH_SHAPE_HELP),
     warmup: Optional[int] = typer.Option(None, "--warmup", min=0, help="Warm-up runs [default: 10 GPU, 3 CPU]."),
     runs: Optional[int] = typer.Option(None, "--runs", min=3, help="Timed runs [default: 100 GPU, 20 CPU]."),
+    cuda_graph: bool = typer.Option(False, "--cuda-graph", help=CUDA_GRAPH_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ):
     """Dense vs N:M in ONNX Runtime: latency (p10/p50/p90), op time split, size, memory, agreement, energy."""
@@ -262,7 +267,7 @@ def bench_model(
                  "permute": permute, "pruned_layers": len(prune_report.layers)}
     _bench_and_print(dense, sparse_model, device_choice=bm.pick_device(device), tokens=tokens, batch=batch, shape=shape, warmup=warmup,
                      runs=runs, as_json=as_json, dense_path=str(model), sparse_path=str(sparse) if sparse else None,
-                     extra=extra)
+                     extra=extra, cuda_graph=cuda_graph)
 
 
 @app.command()
@@ -277,6 +282,7 @@ def demo(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float16 or float32 [default: float16 GPU, float32 CPU]."),
     tokens: List[int] = typer.Option([], "--tokens", min=1, help="Sequence lengths to sweep."),
     runs: Optional[int] = typer.Option(None, "--runs", min=3, help="Timed runs per setting."),
+    cuda_graph: bool = typer.Option(False, "--cuda-graph", help=CUDA_GRAPH_HELP),
     output_dir: Path = typer.Option(Path("nmcli-demo"), "--output-dir", help="Where the two models are saved."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
@@ -309,7 +315,7 @@ def demo(
     _bench_and_print(dense, sparse, device_choice=(chosen, notes), tokens=tokens, batch=1, shape=[], warmup=None, runs=runs,
                      as_json=as_json, dense_path=str(dense_path), sparse_path=str(sparse_path),
                      extra={"config": config.to_dict(), "nm": str(pattern), "dense_model": str(dense_path),
-                            "sparse_model": str(sparse_path)})
+                            "sparse_model": str(sparse_path)}, cuda_graph=cuda_graph)
 
 
 @bench_app.command("kernels")

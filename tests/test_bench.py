@@ -154,3 +154,11 @@ def test_bench_models_with_different_inputs(model_file, rng, tmp_path):
     sparse = tmp_path / "ids.nm.onnx"
     assert run("prune", other, "--nm", "2:4", "-o", sparse, cwd=tmp_path).returncode == 0
     assert_one_line_error(run("bench", model_file, "--sparse", sparse, cwd=tmp_path), "different inputs")
+
+
+def test_cuda_graph_flag_on_cpu_warns_and_runs(model_file, tmp_path):
+    result = run("bench", model_file, "--nm", "2:4", "--cuda-graph", "--runs", "3", "--tokens", "2", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "--cuda-graph applies to the CUDA EP only" in result.stderr
+    report = json.loads(result.stdout)
+    assert report["cuda_graph"] is False and report["settings"][0]["sparse"]["p50_ms"] > 0

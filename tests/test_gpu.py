@@ -151,3 +151,20 @@ def test_bench_model_on_cuda(tmp_path):
     for s in report["settings"]:
         assert 0 < s["nm_op_ms"] < s["sparse"]["p50_ms"]
         assert s["agreement"][0]["cosine"] > 0.3
+
+
+def test_bench_model_with_cuda_graphs(tmp_path):
+    """--cuda-graph: both models replayed as ORT-captured CUDA graphs, one graph per shape."""
+    import json
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "nmcli", "demo", "--hidden", "512", "--ffn", "1024", "--heads", "8",
+                             "--layers", "1", "--runs", "10", "--tokens", "1", "--tokens", "16", "--cuda-graph",
+                             "--output-dir", str(tmp_path / "demo"), "--json"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["cuda_graph"] is True and len(report["settings"]) == 2
+    for s in report["settings"]:
+        assert s["sparse"]["p50_ms"] > 0 and s["nm_op_ms"] > 0
+        assert s["agreement"][0]["cosine"] > 0.3
