@@ -28,9 +28,17 @@
 namespace nmcli {
 namespace decode {
 
-constexpr int kWarps = 16;
+// Block shape; NMCLI_DECODE_WARPS / NMCLI_DECODE_MIN_BLOCKS override it for tuning runs
+// (warps x min blocks = 32 resident warps per SM, i.e. at most 64 registers per thread).
+#ifndef NMCLI_DECODE_WARPS
+#define NMCLI_DECODE_WARPS 16
+#endif
+#ifndef NMCLI_DECODE_MIN_BLOCKS
+#define NMCLI_DECODE_MIN_BLOCKS 2
+#endif
+constexpr int kWarps = NMCLI_DECODE_WARPS;
 constexpr int kThreads = kWarps * 32;
-constexpr int kMinBlocksPerSM = 2;         // -> at most 64 registers per thread
+constexpr int kMinBlocksPerSM = NMCLI_DECODE_MIN_BLOCKS;
 constexpr int kRowsPerWarp = 1;
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
 constexpr int kVectorsPerLane = 4;         // 16-byte vectors per lane per step (32 fp16 / 16 fp32 entries)
