@@ -77,14 +77,13 @@ class EvalReport:
         return [outputs, layers]
 
 
-def stored_weights(model: onnx.ModelProto) -> dict[str, tuple[np.ndarray, NMPattern, bool]]:
-    """node name -> (dense pruned weight [K, Nout] in the original channel order, pattern,
-    permuted) for every nmcli op node of a converted model."""
+def stored_weights(model: onnx.ModelProto):
+    """(node name, dense pruned weight [K, Nout] in the original channel order, pattern,
+    permuted) for every nmcli op node of a converted model, one node at a time."""
     from .prune import OP_DOMAIN, OP_TYPE
 
     inits = {t.name: t for t in model.graph.initializer}
     producers = {out: node for node in model.graph.node for out in node.output}
-    found = {}
     for node in model.graph.node:
         if node.domain != OP_DOMAIN or node.op_type != OP_TYPE:
             continue
@@ -99,8 +98,7 @@ def stored_weights(model: onnx.ModelProto) -> dict[str, tuple[np.ndarray, NMPatt
             original = np.zeros_like(weight)
             original[perm] = weight  # packed row r is original channel perm[r]
             weight = original
-        found[node.name or node.output[0]] = (weight, pattern, perm is not None)
-    return found
+        yield node.name or node.output[0], weight, pattern, perm is not None
 
 
 def _channel_order(producer, inits) -> np.ndarray | None:
@@ -113,15 +111,16 @@ def _channel_order(producer, inits) -> np.ndarray | None:
 
 
 def layer_errors(dense: onnx.ModelProto, sparse: onnx.ModelProto) -> tuple[list[LayerError], list[str]]:
-    stored = stored_weights(sparse)
-    if not stored:
+    from .prune import OP_DOMAIN, OP_TYPE
+
+    if not any(n.domain == OP_DOMAIN and n.op_type == OP_TYPE for n in sparse.graph.node):
         raise ModelError("the sparse model has no nmcli.NMMatMul nodes: nothing to compare (run nmcli prune first)")
     originals = {}
     for cand in find_candidates(dense, Selection(NMPattern(1, 2))):
         if cand.weight is not None:
             originals[cand.name] = cand.weight
     layers, notes = [], []
-    for name, (pruned, pattern, permuted) in stored.items():
+    for name, pruned, pattern, permuted in stored_weights(sparse):
         weight = originals.get(name)
         if weight is None or weight.shape != pruned.shape:
             notes.append(f"{name}: no dense node of that name and shape; its weight error is not shown")

@@ -88,22 +88,30 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
 
     norms = _channel_norms(model, chosen, calibration) if getattr(criterion, "needs_calibration", False) else {}
-    unique = {c.weight_key: c for c in reversed(chosen)}  # first node of each weight wins
-    scores = {key: criterion.scores(c.weight, LayerContext(node_name=c.name, weight_name=c.weight_name,
-                                                          input_channel_norms=norms.get(key)))
-              for key, c in unique.items()}
+    first_node = {c.weight_key: c for c in reversed(chosen)}  # first node of each weight wins
+
+    def score_of(key) -> np.ndarray:
+        """Criterion scores of one weight, computed when needed: float64 copies of every weight
+        at once would not fit in memory for large models."""
+        c = first_node[key]
+        return criterion.scores(c.weight, LayerContext(node_name=c.name, weight_name=c.weight_name,
+                                                       input_channel_norms=norms.get(key)))
+
     if permute and _default_opset(out) < 11:
         raise ModelError("--permute needs opset 11 or later (it adds Gather nodes with axis=-1); "
                          f"the model uses opset {_default_opset(out)}")
-    orders = _channel_orders(chosen, scores, selection.pattern, graph, taken) if permute else {}
+    orders = _channel_orders(chosen, score_of, selection.pattern, graph, taken) if permute else {}
     pruned: dict[tuple[str, bool], PrunedWeight] = {}
     for cand in chosen:
         key = cand.weight_key
         if key in pruned:
             continue
         perm_name, perm, gain = orders.get(key, (None, None, 0.0))
-        weight, score = (cand.weight, scores[key]) if perm is None else (cand.weight[perm], scores[key][perm])
+        weight, score = cand.weight, score_of(key)
+        if perm is not None:
+            weight, score = weight[perm], score[perm]
         packed, rel_error = prune_weight(weight, selection.pattern, score)
+        del score
         base = cand.weight_name + (".T" if key[1] else "")
         entry = PrunedWeight(packed, _unique(base + ".nm_values", taken), _unique(base + ".nm_indices", taken),
                              rel_error, cand.weight.nbytes, perm_name, gain)
@@ -136,7 +144,7 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     return out, report
 
 
-def _channel_orders(chosen: list[Candidate], scores: dict, pattern: nmformat.NMPattern, graph: onnx.GraphProto,
+def _channel_orders(chosen: list[Candidate], score_of, pattern: nmformat.NMPattern, graph: onnx.GraphProto,
                     taken: set[str]) -> dict:
     """weight key -> (perm initializer name, perm, gain) for weights whose order is worth it.
 
@@ -163,8 +171,9 @@ def _channel_orders(chosen: list[Candidate], scores: dict, pattern: nmformat.NMP
             keys.append(cand.weight_key)
     orders = {}
     for keys in components.values():
-        joint = np.concatenate([scores[k] / max(float(scores[k].sum()), 1e-300) for k in keys], axis=1)
+        joint = np.concatenate([_normalised(score_of(k)) for k in keys], axis=1)
         result = find_permutation(joint, pattern)
+        del joint
         if not result.improves:
             continue
         name = _unique(keys[0][0] + ".nm_perm", taken)
@@ -172,6 +181,10 @@ def _channel_orders(chosen: list[Candidate], scores: dict, pattern: nmformat.NMP
         for k in keys:
             orders[k] = (name, result.perm, result.gain)
     return orders
+
+
+def _normalised(scores: np.ndarray) -> np.ndarray:
+    return scores / max(float(scores.sum()), 1e-300)
 
 
 def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, taken: set[str],
