@@ -150,11 +150,11 @@ class BoundModel:
         import onnxruntime as ort
 
         self.binding = self.session.io_binding()
-        self._keep = []
+        self._device_inputs = {}  # name -> OrtValue, kept alive and shared with the graph session
         for name, array in feeds.items():
             if self.device == "cuda":
                 value = ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0)
-                self._keep.append(value)
+                self._device_inputs[name] = value
                 self.binding.bind_ortvalue_input(name, value)
             else:
                 self.binding.bind_cpu_input(name, array)
@@ -171,7 +171,7 @@ class BoundModel:
         self.graph_session = None  # the previous shape's graph and buffers go first
         self.graph_session = _open(self.model, self.device, cuda_graph=True)
         self.graph_binding = self.graph_session.io_binding()
-        for name, value in zip((i.name for i in self.session.get_inputs()), self._keep):
+        for name, value in self._device_inputs.items():
             self.graph_binding.bind_ortvalue_input(name, value)
         self._graph_outputs = [ort.OrtValue.ortvalue_from_shape_and_type(v.shape(), _numpy_type(v), "cuda", 0)
                                for v in outputs]

@@ -17,7 +17,7 @@ from onnx import numpy_helper
 from rich.table import Table
 
 from .errors import ModelError, NmcliError, first_line
-from .format import NMPattern, PackedShape, PackedWeight, unpack
+from .format import NMPattern, from_arrays, unpack
 from .graph import Selection, _attr, find_candidates
 
 LOGIT_NAME = re.compile(r"logit|class|score|prob", re.IGNORECASE)
@@ -90,9 +90,11 @@ def stored_weights(model: onnx.ModelProto):
         if node.input[1] not in inits or node.input[2] not in inits:
             raise ModelError(f"{node.name}: packed weights are not initializers")
         values, indices = (numpy_helper.to_array(inits[name]) for name in node.input[1:3])
-        pattern = NMPattern(_attr(node, "n", 0), _attr(node, "m", 0))
-        k = _attr(node, "k", 0)
-        weight = unpack(PackedWeight(values, indices, PackedShape(k, values.shape[0], pattern)))
+        try:
+            packed = from_arrays(values, indices, _attr(node, "n", 0), _attr(node, "m", 0), _attr(node, "k", 0))
+        except (ValueError, NmcliError) as exc:
+            raise ModelError(f"{node.name}: stored weights do not fit the N:M format ({first_line(exc)})") from None
+        weight, pattern = unpack(packed), packed.shape.pattern
         perm = _channel_order(producers.get(node.input[0]), inits)
         if perm is not None:
             original = np.zeros_like(weight)

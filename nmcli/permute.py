@@ -160,10 +160,10 @@ def _striped_order(scores: np.ndarray, pattern: NMPattern) -> np.ndarray:
     # Fill slots in order; the partial last group (if any) takes what does not fit elsewhere.
     by_slot = np.full(groups * pattern.m, -1, dtype=np.int64)
     by_slot[slot_of_rank] = ranked
-    return _with_padding_last(by_slot.reshape(groups, pattern.m), k, pattern)
+    return _with_padding_last(by_slot.reshape(groups, pattern.m), k)
 
 
-def _with_padding_last(slots: np.ndarray, k: int, pattern: NMPattern) -> np.ndarray:
+def _with_padding_last(slots: np.ndarray, k: int) -> np.ndarray:
     """Flatten group slots to a permutation of K where padding (-1) only sits past K.
 
     The format pads the last group, so groups with a padding slot must come last; at most

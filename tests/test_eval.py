@@ -76,6 +76,14 @@ def test_eval_bad_input(tmp_path, rng):
     s = save(sparse, tmp_path / "s.onnx")
     np.savez(tmp_path / "bad.npz", other=np.zeros((2, 3, 48), np.float32))
     assert_one_line_error(run("eval", d, s, "--calib", tmp_path / "bad.npz", cwd=tmp_path), "missing: features")
+    corrupt = onnx.ModelProto()
+    corrupt.CopyFrom(sparse)
+    node = next(n for n in corrupt.graph.node if n.op_type == "NMMatMul")
+    for attr in node.attribute:
+        if attr.name == "k":
+            attr.i = 4 * 48  # stored rows no longer fit the declared K
+    c = save(corrupt, tmp_path / "c.onnx")
+    assert_one_line_error(run("eval", d, c, cwd=tmp_path), "do not fit the N:M format")
     other = matmul_model(rng.standard_normal((48, 10)).astype(np.float32), ["b", 48])
     other_sparse, _ = prune_model(other, Selection(NMPattern(2, 4)))
     o = save(other_sparse, tmp_path / "o.onnx")
