@@ -54,8 +54,11 @@ def load_calibration(path, specs: list[InputSpec]) -> list[dict]:
     return [{s.name: arrays[s.name][i].astype(s.dtype, copy=False) for s in specs} for i in range(counts.pop())]
 
 
-def generated_calibration(specs: list[InputSpec], samples: int, tokens: int, rng) -> list[dict]:
-    return [random_feeds(specs, resolve_shapes(specs, 1, tokens, {}), rng) for _ in range(samples)]
+def generated_calibration(specs: list[InputSpec], samples: int, tokens: int, rng,
+                          overrides: dict | None = None) -> list[dict]:
+    """Random samples of batch 1 and `tokens` tokens (or the `--shape` overrides)."""
+    shapes = resolve_shapes(specs, 1, tokens, overrides or {})
+    return [random_feeds(specs, shapes, rng) for _ in range(samples)]
 
 
 def channel_sq_sums(model: onnx.ModelProto, activations: dict[str, int], feeds: list[dict]) -> dict[str, np.ndarray]:

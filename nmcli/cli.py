@@ -390,9 +390,9 @@ def eval_models(
     """Output agreement (relative error, cosine, top-1) and per-layer weight error, dense vs sparse."""
     import numpy as np
 
-    from .calibrate import load_calibration
+    from .calibrate import generated_calibration, load_calibration
     from .evaluate import evaluate
-    from .inputs import input_specs, parse_shape_overrides, random_feeds, resolve_shapes
+    from .inputs import input_specs, parse_shape_overrides
     from .modelio import load_model
 
     dense_model, sparse_model = load_model(dense), load_model(sparse)
@@ -402,9 +402,8 @@ def eval_models(
             raise NmcliError("--shape applies to generated inputs; the --calib file fixes the shapes")
         feeds, source = load_calibration(calib, specs), str(calib)
     else:
-        shapes = resolve_shapes(specs, 1, tokens, parse_shape_overrides(shape))
-        rng = np.random.default_rng(seed)
-        feeds = [random_feeds(specs, shapes, rng) for _ in range(samples)]
+        overrides = parse_shape_overrides(shape)
+        feeds = generated_calibration(specs, samples, tokens, np.random.default_rng(seed), overrides)
         source = "generated random inputs"
     with err.status("running both models"):
         report = evaluate(dense_model, sparse_model, feeds, source, str(dense), str(sparse))
