@@ -125,26 +125,30 @@ def _open(model: onnx.ModelProto, device: str, cuda_graph: bool = False):
     except NmcliError:
         raise
     except Exception as exc:
-        what = "with CUDA graphs" if cuda_graph else ""
-        raise NmcliError(f"onnxruntime cannot load the model {what}: {first_line(exc)}".replace("  ", " ")) from None
+        with_graphs = " with CUDA graphs" if cuda_graph else ""
+        raise NmcliError(f"onnxruntime cannot load the model{with_graphs}: {first_line(exc)}") from None
 
 
 class BoundModel:
     """A session with IO binding: inputs copied to the device once, outputs left there.
 
-    With `cuda_graph`, timed runs replay a CUDA graph that ORT captured (enable_cuda_graph):
+    After `enable_cuda_graphs()`, timed runs replay a CUDA graph that ORT captured (enable_cuda_graph):
     a second session per input shape, every input and output bound to a fixed device buffer,
     as a decode server would run. The plain session still serves the op-time split (our op's
     timer runs on the host side of each launch, which a graph replay skips) and the outputs."""
 
-    def __init__(self, model: onnx.ModelProto, device: str, cuda_graph: bool = False):
+    def __init__(self, model: onnx.ModelProto, device: str):
         self.device = device
         self.model = model
-        self.cuda_graph = cuda_graph and device == "cuda"
+        self.cuda_graph = False
         self.session = _open(model, device)
         self.provider = self.session.get_providers()[0]
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.graph_session = self.graph_binding = None
+
+    def enable_cuda_graphs(self) -> None:
+        """From the next bind() on, time graph replays (CUDA only; a no-op on the CPU)."""
+        self.cuda_graph = self.device == "cuda"
 
     def bind(self, feeds: dict) -> None:
         import onnxruntime as ort
@@ -303,7 +307,8 @@ def bench_pair(dense: onnx.ModelProto, sparse: onnx.ModelProto, settings: list[t
         runner.run()
         runners.append(runner)
         gpu_bytes.append(max(0, _gpu_used() - before) if device == "cuda" else None)
-        runner.cuda_graph = cuda_graph and device == "cuda"  # graph sessions from the first setting on
+        if cuda_graph:  # after the memory reading: graph sessions from the first setting on
+            runner.enable_cuda_graphs()
     dense_run, sparse_run = runners
     if device == "cuda" and (dense_run.provider != "CUDAExecutionProvider" or sparse_run.provider != "CUDAExecutionProvider"):
         raise NmcliError("onnxruntime did not place the models on the CUDA execution provider")
