@@ -203,7 +203,7 @@ struct TileSmem {
   static constexpr size_t kBytes = kOperands > kPartial ? kOperands : kPartial;
 };
 
-template <typename T, int BM, int BN>
+template <typename T>
 __device__ __forceinline__ void store_output(const PathParams<T>& p, int64_t row, int64_t col, float v) {
   if (row < p.rows && col < p.nout) p.y[row * p.nout + col] = from_f32<T>(p.alpha * v + (p.bias ? to_f32(p.bias[col]) : 0.f));
 }
@@ -222,7 +222,7 @@ __device__ __forceinline__ void reduce_cluster(const PathParams<T>& p, float* pa
     const int r = r0 + idx / BN, c = idx % BN;
     float sum = 0.f;
     for (int q = 0; q < splits; ++q) sum += cluster.map_shared_rank(partial, q)[r * BN + c];
-    store_output<T, BM, BN>(p, row0 + r, col0 + c, sum);
+    store_output<T>(p, row0 + r, col0 + c, sum);
   }
   cluster.sync();  // peers' shared memory must outlive the reads above
 #else
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(PathParams<T> p, bool vec
         const int r = wm * TM + i * 16 + (lane >> 2) + (e >> 1) * 8;
         const int c = wn * TN + j * 8 + (lane & 3) * 2 + (e & 1);
         if constexpr (kSplit) partial[r * BN + c] = acc[i][j][e];
-        else store_output<T, BM, BN>(p, row0 + r, col0 + c, acc[i][j][e]);
+        else store_output<T>(p, row0 + r, col0 + c, acc[i][j][e]);
       }
   if constexpr (kSplit) reduce_cluster<T, BM, BN>(p, partial, row0, col0);
 }
