@@ -39,7 +39,9 @@ def run_cuda(x, packed, bias, alpha, dtype_name, path):
 @pytest.mark.parametrize("dtype_name", ["float16", "float32", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (2, 1000, 64), (3, 777, 33), (5, 300, 1), (8, 4099, 130),
                                          (9, 515, 200), (16, 2048, 77), (17, 130, 300), (64, 1024, 96),
-                                         (100, 333, 65), (1100, 264, 3900), (1100, 200, 3900)])
+                                         (100, 333, 65), (1100, 264, 3900), (1100, 200, 3900),
+                                         # decode: activations staged in several K chunks; many row tiles per block
+                                         (1, 60000, 40), (16, 9000, 70), (2, 512, 20001), (4, 4100, 9000)])
 def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
     pattern = NMPattern(n, m)
     np_dtype = np.float16 if dtype_name == "float16" else np.float32

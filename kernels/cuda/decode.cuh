@@ -20,6 +20,7 @@
 // Instantiated per dtype in decode_{f32,f16,bf16}.cu to keep compile units small.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 #include "common.cuh"
@@ -41,8 +42,11 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMinBlocksPerSM = NMCLI_DECODE_MIN_BLOCKS;
 constexpr int kRowsPerWarp = 1;
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
-constexpr int kVectorsPerLane = 4;         // 16-byte vectors per lane per step (32 fp16 / 16 fp32 entries)
-constexpr int kStageBytes = 64 * 1024;     // shared-memory budget for staged activations
+#ifndef NMCLI_DECODE_VECTORS
+#define NMCLI_DECODE_VECTORS 2
+#endif
+constexpr int kVectorsPerLane = NMCLI_DECODE_VECTORS;  // 16-byte vectors per lane per step
+constexpr int kStageBytes = 200 * 1024;    // shared-memory budget for staged activations (of 227 KB per block)
 
 // Staged element type for R padded rows of T.
 template <typename T, int R>
@@ -99,14 +103,23 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
   }
 }
 
+// One step of a warp: the 32 * U vectors starting at vb of row tile `tile`, in the K chunk that
+// starts at group g0.
+struct Step {
+  int tile, g0, vb;
+};
+
 // kN == 0: the pattern is read from the parameters (any valid N:M).
 template <typename T, int R, int kN, int kM>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(DecodeParamsT<T> p) {
   using S = StageT<T, R>;
   constexpr int VEC = 16 / sizeof(T);             // entries per 16-byte vector
-  constexpr int U = kVectorsPerLane;              // vectors per lane per row per step
+  constexpr int U = kVectorsPerLane;              // vectors per lane per step
   constexpr bool kStatic = kN > 0;
-  constexpr bool kGroupsWholeInVector = kStatic && VEC % (kStatic ? kN : 1) == 0;  // g = e/N splits per vector
+  // Compile-time families (N divides the vector, M a power of two): a vector's positions form
+  // one aligned run, so its skewed shared-memory base is computed once and every entry adds a
+  // constant plus its offset (see entry_slot).
+  constexpr bool kVectorBase = kStatic && VEC % (kStatic ? kN : 1) == 0 && ((kM & (kM - 1)) == 0);
   const int n = kStatic ? kN : p.n;
   const int m = kStatic ? kM : p.m;
   const int bits = kStatic ? index_bits(kM) : p.bits;
@@ -116,98 +129,162 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
   extern __shared__ __align__(16) unsigned char smem[];
   S* xs = reinterpret_cast<S*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp * kRowsPerWarp;
-  const int64_t nvec = (p.groups * n + VEC - 1) / VEC;
+  const int tiles = static_cast<int>((p.nout + kRowsPerBlock - 1) / kRowsPerBlock);
+  const int groups = static_cast<int>(p.groups);
+  const int chunk_groups = static_cast<int>(p.chunk_groups);
+  const bool single_chunk = chunk_groups >= groups;  // activations staged once per block
+  const int nvec = (groups * n + VEC - 1) / VEC;
+  auto v_begin = [&](int g0) { return g0 * n / VEC; };  // chunks hold whole vectors
+  auto v_end = [&](int g0) { return min((g0 + chunk_groups) * n / VEC, nvec); };
+  auto row_of = [&](int tile) { return static_cast<int64_t>(tile) * kRowsPerBlock + warp; };
 
-  float acc[kRowsPerWarp][R];
-#pragma unroll
-  for (int q = 0; q < kRowsPerWarp; ++q)
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[q][r] = 0.f;
+  // The warp's steps in order: along the chunk, then the next chunk, then the block's next tile.
+  auto advance = [&](Step s) {
+    s.vb += 32 * U;
+    if (s.vb >= v_end(s.g0)) {
+      s.g0 += chunk_groups;
+      if (s.g0 >= groups) {
+        s.g0 = 0;
+        s.tile += gridDim.x;
+      }
+      s.vb = v_begin(s.g0);
+    }
+    return s;
+  };
 
   // Offset bits of one vector: 32-bit when the compile-time pattern fits (every static family).
   using Off = std::conditional_t<(kStatic && VEC * index_bits(kStatic ? kM : 2) <= 32), uint32_t, uint64_t>;
-  uint4 vals[kRowsPerWarp][U];
-  Off offs[kRowsPerWarp][U];
-  // Issues the loads of the step starting at vector vb (zeros outside [.., v_end) and Nout).
-  auto load_step = [&](int64_t vb, int64_t v_end) {
+  // Issues the loads of step s (zeros past the chunk and past Nout).
+  auto load_step = [&](uint4 (&vals)[U], Off (&offs)[U], Step s) {
+    const int64_t row = row_of(s.tile);
+    const int end = v_end(s.g0);
+    const T* vrow = p.values + row * p.row_len;
+    const uint32_t* irow = p.indices + row * p.index_words;
 #pragma unroll
-    for (int q = 0; q < kRowsPerWarp; ++q) {
-      const int64_t row = row0 + q;
-      const T* vrow = p.values + row * p.row_len;
-      const uint32_t* irow = p.indices + row * p.index_words;
+    for (int u = 0; u < U; ++u) {
+      const int v = s.vb + lane + 32 * u;
+      vals[u] = make_uint4(0, 0, 0, 0);
+      offs[u] = 0;
+      if (v < end && row < p.nout) {
+        vals[u] = load_stream16(vrow + static_cast<int64_t>(v) * VEC);
+        const int64_t bit = static_cast<int64_t>(v) * vec_bits;
+        const int shift = static_cast<int>(bit & 31);
+        const uint32_t* wp = irow + (bit >> 5);
+        uint64_t window = __ldg(wp);  // neighbouring lanes share index words: let L1 keep them
+        if (shift + vec_bits > 32) window |= static_cast<uint64_t>(__ldg(wp + 1)) << 32;
+        offs[u] = static_cast<Off>(window >> shift);
+      }
+    }
+  };
+
+  float acc[R];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t v = vb + lane + 32 * u;
-        vals[q][u] = make_uint4(0, 0, 0, 0);
-        offs[q][u] = 0;
-        if (v < v_end && row < p.nout) {
-          vals[q][u] = load_stream16(vrow + v * VEC);
-          const int64_t bit = v * vec_bits;
-          const int shift = static_cast<int>(bit & 31);
-          const uint32_t* wp = irow + (bit >> 5);
-          uint64_t window = __ldg(wp);  // neighbouring lanes share index words: let L1 keep them
-          if (shift + vec_bits > 32) window |= static_cast<uint64_t>(__ldg(wp + 1)) << 32;
-          offs[q][u] = static_cast<Off>(window >> shift);
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+
+  // Multiplies the step's entries into acc.
+  auto compute_step = [&](const uint4 (&vals)[U], const Off (&offs)[U], Step s) {
+    const int end = v_end(s.g0);
+    const int e_begin = s.g0 * n;  // first stored entry of the chunk; a multiple of VEC
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = s.vb + lane + 32 * u;
+      if (v >= end) continue;
+      const int e0 = v * VEC - e_begin;  // entry index within the chunk
+      if constexpr (kVectorBase) {
+        // The vector's groups start at position pos0, a multiple of the run it spans; within
+        // it skew(pos0 + d) == skew(pos0) + d + (d >> 5) and d >> 5 only depends on the group.
+        const S* base = xs + skew(e0 / kN * kM) * R;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const int d = (i / kN) * kM;
+          const int off = static_cast<int>((offs[u] >> (i * index_bits(kM))) & ((1u << index_bits(kM)) - 1u));
+          float x[R];
+          load_position<S, R>(base + (d + (d >> 5) + off) * R, x);
+          const float w = vec_entry<T>(vals[u], i);
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r] = fmaf(w, x[r], acc[r]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const int pos = (e0 + i) / n * m + static_cast<int>((offs[u] >> (i * bits)) & mask);
+          float x[R];
+          load_position<S, R>(xs + skew(pos) * R, x);
+          const float w = vec_entry<T>(vals[u], i);
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r] = fmaf(w, x[r], acc[r]);
         }
       }
     }
   };
 
-  for (int64_t g0 = 0; g0 < p.groups; g0 += p.chunk_groups) {
-    const int64_t p0 = g0 * m;
-    const int64_t e_begin = g0 * n;  // first stored entry of the chunk; a multiple of VEC
-    const int64_t v_begin = e_begin / VEC;
-    const int64_t chunk_end = (g0 + p.chunk_groups) * n / VEC;
-    const int64_t v_end = chunk_end < nvec ? chunk_end : nvec;
-    load_step(v_begin, v_end);  // the first weights are in flight while the activations are staged
-    __syncthreads();
-    stage_activations<T, S, R>(p, xs, p0);
-    __syncthreads();
-
-    for (int64_t vb = v_begin; vb < v_end; vb += 32 * U) {
-      if (vb != v_begin) load_step(vb, v_end);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t v = vb + lane + 32 * u;
-        if (v >= v_end) continue;
-        const int e0 = static_cast<int>(v * VEC - e_begin);  // entry index within the chunk
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          int g;  // group within the chunk
-          if constexpr (kGroupsWholeInVector) g = e0 / kN + i / kN;
-          else g = (e0 + i) / n;
-#pragma unroll
-          for (int q = 0; q < kRowsPerWarp; ++q) {
-            const int pos = g * m + static_cast<int>((offs[q][u] >> (i * bits)) & mask);
-            float x[R];
-            load_position<S, R>(xs + skew(pos) * R, x);
-            const float w = vec_entry<T>(vals[q][u], i);
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[q][r] = fmaf(w, x[r], acc[q][r]);
-          }
-        }
-      }
-    }
-  }
-
-#pragma unroll
-  for (int q = 0; q < kRowsPerWarp; ++q) {
+  // Sums the row over the warp, writes it, and clears acc for the next row.
+  auto finish_row = [&](int tile) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float s = acc[q][r];
+      float s = acc[r];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      acc[q][r] = s;
+      acc[r] = s;
     }
-    const int64_t row = row0 + q;
+    const int64_t row = row_of(tile);
     if (lane == 0 && row < p.nout) {
       const float b = p.bias ? to_f32(p.bias[row]) : 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        if (r < p.rows) p.y[r * p.nout + row] = from_f32<T>(p.alpha * acc[q][r] + b);
+        if (r < p.rows) p.y[r * p.nout + row] = from_f32<T>(p.alpha * acc[r] + b);
     }
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  };
+
+  bool staged = false;
+  // Stages the chunk's activations when the step opens it (block-uniform: every warp of the block
+  // walks the same steps), multiplies, and finishes the row after its last step.
+  auto process = [&](const uint4 (&vals)[U], const Off (&offs)[U], Step s, Step next) {
+    if (s.vb == v_begin(s.g0) && (!staged || !single_chunk)) {
+      if (staged) __syncthreads();  // every warp is done with the previous chunk
+      stage_activations<T, S, R>(p, xs, static_cast<int64_t>(s.g0) * m);
+      __syncthreads();
+      staged = true;
+    }
+    compute_step(vals, offs, s);
+    if (next.tile != s.tile) finish_row(s.tile);
+  };
+
+  // Software pipeline, two register buffers: the next step's loads (possibly the next row's) are
+  // in flight while the current one is multiplied, so a warp never waits a full memory latency
+  // between rows. The block walks tiles blockIdx.x, + gridDim.x, ... (a persistent grid).
+  uint4 vals_a[U], vals_b[U];
+  Off offs_a[U], offs_b[U];
+  Step s0{static_cast<int>(blockIdx.x), 0, 0};
+  load_step(vals_a, offs_a, s0);
+  for (;;) {
+    const Step s1 = advance(s0);
+    if (s1.tile < tiles) load_step(vals_b, offs_b, s1);
+    process(vals_a, offs_a, s0, s1);
+    if (s1.tile >= tiles) break;
+    const Step s2 = advance(s1);
+    if (s2.tile < tiles) load_step(vals_a, offs_a, s2);
+    process(vals_b, offs_b, s1, s2);
+    if (s2.tile >= tiles) break;
+    s0 = s2;
   }
+}
+
+// Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory (at least 1);
+// remembered for the last size asked, which is nearly always the next one.
+template <typename Kernel>
+int resident_blocks(Kernel kernel, size_t smem) {
+  static std::atomic<uint64_t> last{0};  // smem << 8 | blocks
+  const uint64_t seen = last.load(std::memory_order_relaxed);
+  if (seen != 0 && (seen >> 8) == smem) return static_cast<int>(seen & 0xff);
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess || blocks < 1)
+    blocks = 1;
+  blocks = std::min(blocks, 255);
+  last.store((static_cast<uint64_t>(smem) << 8) | static_cast<uint64_t>(blocks), std::memory_order_relaxed);
+  return blocks;
 }
 
 template <typename T, int R, int kN, int kM>
@@ -235,7 +312,14 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
       return e;
     configured[device] = true;
   }
-  const unsigned blocks = static_cast<unsigned>((p.nout + kRowsPerBlock - 1) / kRowsPerBlock);
+  // Persistent grid: at most as many blocks as fit on the GPU at once (each walks several row
+  // tiles), so the activations are staged once per block and no wave of blocks drains the memory
+  // pipe; and just enough of them that every block walks the same number of tiles (896 tiles on
+  // 264 slots: 224 blocks x 4 tiles, not 264 blocks of which 104 walk a 4th tile alone).
+  const int64_t tiles = (p.nout + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t slots = static_cast<int64_t>(resident_blocks(decode_kernel<T, R, kN, kM>, smem)) * multiprocessor_count();
+  const int64_t tiles_per_block = (tiles + slots - 1) / slots;
+  const unsigned blocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
   decode_kernel<T, R, kN, kM><<<blocks, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
