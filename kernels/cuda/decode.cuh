@@ -1,15 +1,21 @@
 // Decode path: 1..16 activation rows (autoregressive generation, small batches). The product is
 // memory-bound on the packed weight, so everything serves one goal: stream values and offsets
 // at full HBM bandwidth.
-//  * A warp owns one weight row (= output column). Per step each lane loads 4 consecutive
+//  * A warp owns one weight row (= output column) at a time. Per step each lane loads 2
 //    16-byte vectors of stored entries, lane-interleaved so every load instruction of the warp
-//    is one contiguous 512-byte run, plus the offset bits of those vectors. All loads of a step
-//    are issued before any is used (4 or 8 independent 16-byte loads per lane).
-//  * Blocks of 16 warps are held to 64 registers per thread so two fit per SM (32 warps): on
-//    LLaMA shapes most rows are one or two steps long, so bytes in flight and latency hiding
-//    come from many resident warps, not from deep per-warp pipelines. (Measured with Nsight
-//    Compute: two rows per warp at 113 registers allowed 16 warps per SM, 3.4 waves, and
-//    reached 1.0 TB/s.)
+//    is one contiguous 512-byte run, plus the offset bits of those vectors.
+//  * Persistent grid, software-pipelined: each block stays resident and walks several row tiles,
+//    and each warp issues the loads of its next step (the next row's first step at a row's end)
+//    before it multiplies the current one, from two register buffers. Rows on LLaMA shapes are
+//    one to four steps long, so without this every row paid a full memory latency with nothing
+//    in flight (session 3: 49-68% of copy bandwidth; now 55-77%).
+//  * One block of 32 warps per SM, held to 64 registers per thread; it stages the activations
+//    once for 32 rows at a time (measured against 2 blocks of 16: equal at 1 row, 5-35% faster at
+//    4-8 rows, where the staged activations are larger). The grid is sized so every block walks
+//    the same number of tiles (no last partial wave).
+//  * Measured and not kept (BENCHMARKS.md, session 4): 4 vectors per step, and cp.async landing
+//    rings in shared memory 2-4 steps deep (more bytes in flight, same or slower): the gap to a
+//    plain read of the same bytes is a fixed cost per call, not bytes in flight.
 //  * Common N:M families are compiled with N, M and B as constants (group index by shift,
 //    offset extraction by constant shifts); any other pattern takes the runtime-N:M variant.
 //  * Activations are staged once per block in shared memory, laid out [k][R] so one load
@@ -32,10 +38,10 @@ namespace decode {
 // Block shape; NMCLI_DECODE_WARPS / NMCLI_DECODE_MIN_BLOCKS override it for tuning runs
 // (warps x min blocks = 32 resident warps per SM, i.e. at most 64 registers per thread).
 #ifndef NMCLI_DECODE_WARPS
-#define NMCLI_DECODE_WARPS 16
+#define NMCLI_DECODE_WARPS 32
 #endif
 #ifndef NMCLI_DECODE_MIN_BLOCKS
-#define NMCLI_DECODE_MIN_BLOCKS 2
+#define NMCLI_DECODE_MIN_BLOCKS 1
 #endif
 constexpr int kWarps = NMCLI_DECODE_WARPS;
 constexpr int kThreads = kWarps * 32;
