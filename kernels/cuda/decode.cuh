@@ -46,8 +46,7 @@ namespace decode {
 constexpr int kWarps = NMCLI_DECODE_WARPS;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMinBlocksPerSM = NMCLI_DECODE_MIN_BLOCKS;
-constexpr int kRowsPerWarp = 1;
-constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
+constexpr int kRowsPerBlock = kWarps;  // one weight row per warp at a time
 #ifndef NMCLI_DECODE_VECTORS
 #define NMCLI_DECODE_VECTORS 2
 #endif
