@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
   constexpr bool kStatic = kN > 0;
   // Compile-time families (N divides the vector, M a power of two): a vector's positions form
   // one aligned run, so its skewed shared-memory base is computed once and every entry adds a
-  // constant plus its offset (see entry_slot).
+  // constant plus its offset (compute_step).
   constexpr bool kVectorBase = kStatic && VEC % (kStatic ? kN : 1) == 0 && ((kM & (kM - 1)) == 0);
   const int n = kStatic ? kN : p.n;
   const int m = kStatic ? kM : p.m;
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const int d = (i / kN) * kM;
-          const int off = static_cast<int>((offs[u] >> (i * index_bits(kM))) & ((1u << index_bits(kM)) - 1u));
+          const int off = static_cast<int>((offs[u] >> (i * bits)) & mask);
           float x[R];
           load_position<S, R>(base + (d + (d >> 5) + off) * R, x);
           const float w = vec_entry<T>(vals[u], i);
@@ -277,15 +277,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
   }
 }
 
-// Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory (at least 1);
-// remembered for the last size asked, which is nearly always the next one.
-template <typename Kernel>
-int resident_blocks(Kernel kernel, size_t smem) {
+// Blocks of decode_kernel<T, R, kN, kM> resident per SM with `smem` bytes of dynamic shared
+// memory (at least 1); remembered per kernel for the last size asked, nearly always the next one.
+template <typename T, int R, int kN, int kM>
+int resident_blocks(size_t smem) {
   static std::atomic<uint64_t> last{0};  // smem << 8 | blocks
   const uint64_t seen = last.load(std::memory_order_relaxed);
   if (seen != 0 && (seen >> 8) == smem) return static_cast<int>(seen & 0xff);
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess || blocks < 1)
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_kernel<T, R, kN, kM>, kThreads, smem) != cudaSuccess ||
+      blocks < 1)
     blocks = 1;
   blocks = std::min(blocks, 255);
   last.store((static_cast<uint64_t>(smem) << 8) | static_cast<uint64_t>(blocks), std::memory_order_relaxed);
@@ -299,7 +300,7 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
   constexpr int kPositionBytes = R * static_cast<int>(sizeof(S));
   // Chunk = whole vectors (chunk_groups a multiple of VEC, so no vector straddles two chunks),
   // with VEC groups of slack for the zero padding entries of the row's last vector. One chunk
-  // when the whole K fits: less shared memory per block, more blocks per SM.
+  // when the whole K fits: the activations are then staged once per block, not once per tile.
   const int64_t budget_positions = static_cast<int64_t>(kStageBytes / kPositionBytes) * 32 / 34;
   int64_t chunk = std::max<int64_t>(VEC, (budget_positions / p.m - VEC) / VEC * VEC);
   chunk = std::min(chunk, (p.groups + VEC - 1) / VEC * VEC);
@@ -322,7 +323,7 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
   // pipe; and just enough of them that every block walks the same number of tiles (896 tiles on
   // 264 slots: 224 blocks x 4 tiles, not 264 blocks of which 104 walk a 4th tile alone).
   const int64_t tiles = (p.nout + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int64_t slots = static_cast<int64_t>(resident_blocks(decode_kernel<T, R, kN, kM>, smem)) * multiprocessor_count();
+  const int64_t slots = static_cast<int64_t>(resident_blocks<T, R, kN, kM>(smem)) * multiprocessor_count();
   const int64_t tiles_per_block = (tiles + slots - 1) / slots;
   const unsigned blocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
   decode_kernel<T, R, kN, kM><<<blocks, kThreads, smem, stream>>>(p);
