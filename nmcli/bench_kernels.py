@@ -99,7 +99,7 @@ def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str) 
 
     if path == "auto":
         return _kernels.cuda_path(m, pattern.n, pattern.m, k, n, dtype)
-    return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype) else None
+    return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype, k) else None
 
 
 def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float, l2_bytes: int,

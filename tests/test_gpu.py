@@ -35,13 +35,15 @@ def run_cuda(x, packed, bias, alpha, dtype_name, path):
     return y.float().cpu().numpy().astype(np.float64)
 
 
-@pytest.mark.parametrize("n,m", FAMILIES + [(3, 7), (4, 8), (8, 16)])
+@pytest.mark.parametrize("n,m", FAMILIES + [(3, 7), (4, 8), (8, 16), (2, 16)])
 @pytest.mark.parametrize("dtype_name", ["float16", "float32", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (2, 1000, 64), (3, 777, 33), (5, 300, 1), (8, 4099, 130),
                                          (9, 515, 200), (16, 2048, 77), (17, 130, 300), (64, 1024, 96),
                                          (100, 333, 65), (1100, 264, 3900), (1100, 200, 3900),
                                          # decode: activations staged in several K chunks; many row tiles per block
-                                         (1, 60000, 40), (16, 9000, 70), (2, 512, 20001), (4, 4100, 9000)])
+                                         (1, 60000, 40), (16, 9000, 70), (2, 512, 20001), (4, 4100, 9000),
+                                         # wgmma: 64-, 128- and 256-row activation tiles, partial K steps
+                                         (600, 4104, 130), (300, 136, 8000), (700, 264, 17000)])
 def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
     pattern = NMPattern(n, m)
     np_dtype = np.float16 if dtype_name == "float16" else np.float32
@@ -55,7 +57,8 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
         x = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
         bias = torch.from_numpy(bias).to(torch.bfloat16).float().numpy()
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
-    paths = ["auto"] + [p for p in ("decode", "mma", "tiled") if kernels.cuda_path_supported(p, rows, n, m, dtype_name)]
+    paths = ["auto"] + [p for p in ("decode", "mma", "wgmma", "tiled")
+                        if kernels.cuda_path_supported(p, rows, n, m, dtype_name, k)]
     for path in paths:
         y = run_cuda(x, packed, bias, 0.75, dtype_name, path)
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path

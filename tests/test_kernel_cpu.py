@@ -61,12 +61,18 @@ def test_library_reports_cuda_when_built_with_nvcc():
     info = nmcli.build_info()
     assert info["cuda"] is True and "90" in info["cuda_archs"]
     assert _kernels.HAS_CUDA
-    # The dispatch rule (kernels/cuda/dispatch.cu): decode up to 16 rows, tensor cores for
+    # The dispatch rule (kernels/cuda/dispatch.cu): decode up to 8 rows, tensor cores for
     # fp16/bf16 with M in {2, 4, 8, 16}, the SIMT tiled path for everything else.
     assert _kernels.cuda_path(1, 2, 8, 4096, 4096, "float16") == "decode"
     assert _kernels.cuda_path(16, 2, 8, 4096, 4096, "float32") == "decode"
     assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float16") == "mma"
-    assert _kernels.cuda_path(4096, 4, 16, 4096, 4096, "bfloat16") == "mma"
+    # From 128 rows the warpgroup (wgmma) path, where the device is compute capability 9.0.
+    sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
+    assert _kernels.cuda_path(4096, 4, 16, 4096, 4096, "bfloat16") == ("wgmma" if sm90 else "mma")
+    assert _kernels.cuda_path(127, 2, 8, 4096, 4096, "float16") == "mma"
+    assert _kernels.cuda_path(4096, 2, 8, 4100, 4096, "float16") == "mma"  # K % 8 != 0: no 16-byte copies
+    assert not _kernels.cuda_path_supported("wgmma", 4096, 2, 8, "float32", 4096)
+    assert not _kernels.cuda_path_supported("wgmma", 4096, 3, 8, "float16", 4096)
     assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float32") == "tiled"
     assert _kernels.cuda_path(17, 3, 7, 4096, 4096, "float16") == "tiled"
     assert _kernels.cuda_path(17, 16, 32, 4096, 4096, "float16") == "tiled"

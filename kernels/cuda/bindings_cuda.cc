@@ -22,9 +22,9 @@ DType parse_dtype(const std::string& dtype) {
 }
 
 CudaPath parse_path(const std::string& path) {
-  for (CudaPath p : {CudaPath::automatic, CudaPath::decode, CudaPath::tiled, CudaPath::mma})
+  for (CudaPath p : {CudaPath::automatic, CudaPath::decode, CudaPath::tiled, CudaPath::mma, CudaPath::wgmma})
     if (path == path_name(p)) return p;
-  throw std::invalid_argument("path must be auto, decode, tiled or mma");
+  throw std::invalid_argument("path must be auto, decode, tiled, mma or wgmma");
 }
 
 }  // namespace
@@ -84,15 +84,15 @@ void register_cuda_bindings(py::module_& mod) {
       "The path the automatic dispatch takes for this call.");
   mod.def(
       "cuda_path_supported",
-      [](const std::string& path, int64_t rows, int n, int m, const std::string& dtype) {
+      [](const std::string& path, int64_t rows, int n, int m, const std::string& dtype, int64_t k) {
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
         call.rows = rows;
-        call.shape = NMShape::make(m, 1, n, m);
+        call.shape = NMShape::make(k > 0 ? k : 8 * m, 1, n, m);
         return path_supported(call, parse_path(path));
       },
-      py::arg("path"), py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("dtype"),
-      "Whether a path (decode, tiled, mma) can run calls of this kind.");
+      py::arg("path"), py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("dtype"), py::arg("k") = 0,
+      "Whether a path (decode, tiled, mma, wgmma) can run calls of this kind (K = k, or a multiple of 8 when 0).");
 }
 
 }  // namespace nmcli

@@ -1,9 +1,12 @@
 // Picks the path for a call and launches it.
 //
 // Rule (measured crossovers in BENCHMARKS.md, session 3: nmcli_bench --path decode|mma on
-// LLaMA shapes at 1..32 rows): the decode path for 1..8 activation rows; from 9 rows the
-// tensor-core path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a cluster keeps
-// small row counts fast), else decode up to 16 rows and the tiled SIMT path above.
+// LLaMA shapes at 1..32 rows; session 5: --path mma|wgmma at 64..4096 rows): the decode path
+// for 1..8 activation rows; from 128 rows the warpgroup (wgmma) path on compute capability 9.0
+// where it applies (fp16/bf16, K % 8 == 0, the families wgmma.cu compiles: it is 1.1-3.3x the
+// mma path there, while at 64 rows the mma path's split-K wins on 3 of 5 LLaMA shapes); from
+// 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a
+// cluster keeps small row counts fast), else decode up to 16 rows and the tiled SIMT path above.
 #include "kernels.cuh"
 #include "nm_matmul_cuda.h"
 
@@ -39,6 +42,9 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
     return run_decode<T>(p, stream);
   }
   if (path == CudaPath::mma) return run_mma<T>(typed<T>(c), stream);
+#if defined(NMCLI_WITH_SM90A)
+  if (path == CudaPath::wgmma) return run_wgmma<T>(typed<T>(c), stream);
+#endif
   return run_tiled<T>(typed<T>(c), stream);
 }
 
@@ -53,18 +59,30 @@ int multiprocessor_count() {
   return counts[device];
 }
 
+bool wgmma_supported(const CudaMatMul& call) {
+#if defined(NMCLI_WITH_SM90A)
+  return call.dtype != DType::f32 && call.shape.k % 8 == 0 && reinterpret_cast<uintptr_t>(call.x) % 16 == 0 &&
+         wgmma_family(call.shape.n, call.shape.m) && wgmma_device();
+#else
+  (void)call;
+  return false;
+#endif
+}
+
 bool path_supported(const CudaMatMul& call, CudaPath path) {
   switch (path) {
     case CudaPath::automatic: return true;
     case CudaPath::decode: return call.rows <= kDecodeMaxRows;
     case CudaPath::tiled: return true;
     case CudaPath::mma: return mma_supported(call.dtype == DType::f32 ? 4 : 2, call.shape.m);
+    case CudaPath::wgmma: return wgmma_supported(call);
   }
   return false;
 }
 
 CudaPath choose_path(const CudaMatMul& call) {
   if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
+  if (call.rows >= kWgmmaCrossover && path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
   if (path_supported(call, CudaPath::mma)) return CudaPath::mma;
   return call.rows <= kDecodeMaxRows ? CudaPath::decode : CudaPath::tiled;
 }
@@ -74,6 +92,7 @@ const char* path_name(CudaPath path) {
     case CudaPath::decode: return "decode";
     case CudaPath::tiled: return "tiled";
     case CudaPath::mma: return "mma";
+    case CudaPath::wgmma: return "wgmma";
     default: return "auto";
   }
 }

@@ -25,11 +25,16 @@ struct DecodeParamsT : PathParams<T> {
 
 constexpr int64_t kDecodeMaxRows = 16;  // the decode path handles 1..16 activation rows
 constexpr int64_t kDecodeMmaCrossover = 8;  // ... and is faster than the mma path up to 8
+constexpr int64_t kWgmmaCrossover = 128;    // the wgmma path from this many rows (sm_90)
 
 template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t stream);
 template <typename T> cudaError_t run_tiled(PathParams<T> p, cudaStream_t stream);
 template <typename T> cudaError_t run_mma(PathParams<T> p, cudaStream_t stream);
 bool mma_supported(int dtype_bytes, int m);
+// Warpgroup (wgmma) path, sm_90a only: built when NMCLI_WITH_SM90A is defined.
+template <typename T> cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream);
+bool wgmma_family(int n, int m);  // N:M families the wgmma kernels are compiled for
+bool wgmma_device();              // the current device runs sm_90a code (compute capability 9.0)
 
 // SMs of the current device (cached per device).
 int multiprocessor_count();

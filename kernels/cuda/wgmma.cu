@@ -1,0 +1,409 @@
+// Warpgroup tensor-core path (Hopper, sm_90a) for fp16/bf16: prompt processing and large batches.
+//
+// Y^T = W^T X^T, computed as D[weight rows x activation rows] with wgmma.mma_async, both
+// operands K-major tiles in shared memory with the 128-byte swizzle:
+//  * A = the weight, expanded from the packed format one K step ahead into a dense [128 x 64]
+//    tile (each thread writes the pairs of its own rows), so the expansion of step t + 1 runs
+//    while the tensor cores work on step t;
+//  * B = the activations, a [rows x 64] tile per step, copied with cp.async, zero-filled past
+//    the last row and past K;
+//  * fp32 accumulators in registers; alpha and bias applied on the way out.
+// A block has two warpgroups (128 weight rows, 64 each) and one activation tile of 64, 128 or
+// 256 rows. The packed weight tile (values and offset words) and the activation tile of each
+// step land in a ring of shared-memory stages, kStages - 2 steps ahead of the MMAs; a stage is
+// refilled only after the MMAs that read it have retired.
+// Expansion: a thread owns 16 pairs of dense positions per step (its two A-fragment rows, the
+// pair 2q of each 8-position half). For N <= 2 a pair is one byte permute of the group's stored
+// values, with the selector looked up in a small shared-memory table indexed by the group's
+// offset bits and the pair's place in the group (7-8 instructions a pair; comparing each
+// entry's offset against the pair took about twice that); for N >= 4 the comparison remains
+// (4:8, 4:16, 8:16 run 30-55% slower). Each thread copies the same chunks every step, so the
+// copy addresses are computed once (StepLoader): computing them per step made the copies
+// the largest part of the instruction stream (199M -> 140M warp instructions at 4096^3 2:8).
+// A from shared memory, not registers: wgmma reads register operands asynchronously, and
+// rebuilding them while the previous step's MMAs ran gave wrong results (ptxas does not keep
+// them alive), while keeping them alive made ptxas serialize the MMAs.
+// Used for N in {1, 2, 4, 8}, M in {4, 8, 16}, M <= 8N (a step holds whole 16-byte runs of
+// values), K % 8 == 0 (16-byte activation copies). Other calls take the mma path.
+#include <algorithm>
+#include <type_traits>
+
+#include "common.cuh"
+#include "kernels.cuh"
+#include "wgmma_ops.cuh"
+
+namespace nmcli {
+namespace {
+
+constexpr int kBK = 64;                      // K positions per step: one 128-byte swizzle row
+constexpr int kWarpgroups = 2;
+constexpr int kThreads = 128 * kWarpgroups;
+constexpr int kTileW = 64 * kWarpgroups;     // weight rows (output features) per block
+
+template <int kN, int kM>
+struct Family {
+  static constexpr int kBits = index_bits(kM);
+  static constexpr int kEntries = kBK / kM * kN;              // stored entries per weight row per step
+  static constexpr int kValueBytes = kEntries * 2;             // >= 16 because M <= 8N
+  static constexpr int kValueChunks = kValueBytes / 16;
+  static constexpr int kOffsetWords = (kEntries * kBits + 31) / 32;  // a step's offset bits
+  static constexpr int kIndexWords = kOffsetWords + 1;               // ... copied from any start bit
+  static constexpr int kGroupBits = kN * kBits;                      // offset bits of one group
+  static constexpr bool kTable = kN <= 2;                            // selector-table expansion
+  static constexpr int kTableEntries = kTable ? (1 << kGroupBits) * (kM / 2) : 0;
+  static_assert(kValueBytes % 16 == 0, "a step must hold whole 16-byte runs of values");
+  static_assert(kM == 4 || kM == 8 || kM == 16, "a pair of positions must not straddle groups");
+};
+
+template <int kN, int kM, int kRows>
+struct Layout {
+  using F = Family<kN, kM>;
+  static constexpr int kStages = kRows >= 256 ? 4 : 5;
+  static constexpr size_t kX = static_cast<size_t>(kRows) * 128;  // activation tile per stage
+  static constexpr size_t kValues = static_cast<size_t>(kTileW) * F::kValueBytes;
+  static constexpr size_t kIndex = static_cast<size_t>(kTileW) * F::kIndexWords * 4;
+  static constexpr size_t kStage = (kX + kValues + kIndex + 1023) / 1024 * 1024;
+  static constexpr size_t kA = static_cast<size_t>(kTileW) * 128;  // one dense weight tile
+  static constexpr size_t kAOffset = kStages * kStage;              // two of them, then the table
+  static constexpr size_t kTableOffset = kAOffset + 2 * kA;
+  static constexpr size_t kBytes = kTableOffset + F::kTableEntries * 2 + 1024;  // + slack to align
+};
+
+// Copies a step's activation tile and packed weight tile into its stage. Every thread copies
+// the same chunks of every step (fixed rows and columns of the tiles), so the addresses, the
+// swizzled destinations and the row checks are computed once; per step only K moves.
+template <typename T, int kN, int kM, int kRows>
+struct StepLoader {
+  using F = Family<kN, kM>;
+  using L = Layout<kN, kM, kRows>;
+  static constexpr int kX = kRows * 8 / kThreads;                                    // 16-byte chunks
+  static constexpr int kV = (kTileW * F::kValueChunks + kThreads - 1) / kThreads;   // 16-byte chunks
+  static constexpr int kI = (kTileW * F::kIndexWords + kThreads - 1) / kThreads;    // 4-byte words
+  static_assert(kRows * 8 % kThreads == 0, "whole activation chunks per thread");
+
+  const T* x;               // this thread's first activation chunk at step 0
+  int64_t x_row_stride;     // 32 rows further
+  uint32_t x_dst;           // its swizzled offset in the stage (+ j * 32 rows for chunk j)
+  uint32_t x_rows_ok;       // bit j: chunk j's row exists
+  int x_col;                // K offset of the chunks inside a step
+  const T* v[kV];
+  uint32_t v_dst[kV];
+  bool v_ok[kV];
+  const uint32_t* w[kI];    // index words of the row, at word 0
+  uint32_t w_dst[kI];
+  int w_col[kI];
+  bool w_ok[kI];
+
+  __device__ __forceinline__ StepLoader(const PathParams<T>& p, int64_t w0, int64_t r0) {
+    const int tid = threadIdx.x, r = tid >> 3;
+    x_col = (tid & 7) * 8;
+    x = p.x + (r0 + r) * p.k + x_col;
+    x_row_stride = 32 * p.k;
+    x_dst = r * 128 + (((tid & 7) ^ (r & 7)) << 4);
+    x_rows_ok = 0;
+#pragma unroll
+    for (int j = 0; j < kX; ++j) x_rows_ok |= static_cast<uint32_t>(r0 + r + 32 * j < p.rows) << j;
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      const int i = tid + j * kThreads, row = i / F::kValueChunks, c = i % F::kValueChunks;
+      v_ok[j] = i < kTileW * F::kValueChunks && w0 + row < p.nout;
+      v[j] = p.values + (v_ok[j] ? (w0 + row) * p.row_len + c * 8 : 0);
+      v_dst[j] = static_cast<uint32_t>(L::kX) + row * F::kValueBytes + c * 16;
+    }
+#pragma unroll
+    for (int j = 0; j < kI; ++j) {
+      const int i = tid + j * kThreads, row = i / F::kIndexWords, c = i % F::kIndexWords;
+      w_ok[j] = i < kTileW * F::kIndexWords && w0 + row < p.nout;
+      w[j] = p.indices + (w_ok[j] ? (w0 + row) * p.index_words : 0);
+      w_col[j] = c;
+      w_dst[j] = static_cast<uint32_t>(L::kX + L::kValues) + (row * F::kIndexWords + c) * 4;
+    }
+  }
+
+  __device__ __forceinline__ void load(const PathParams<T>& p, uint8_t* stage, int64_t t) const {
+    const uint32_t base = sm90::smem_addr(stage);
+    const bool k_ok = t * kBK + x_col < p.k;
+#pragma unroll
+    for (int j = 0; j < kX; ++j) {
+      const bool ok = k_ok && (x_rows_ok >> j & 1u);
+      sm90::cp_async16(base + x_dst + j * 32 * 128, ok ? x + t * kBK + j * x_row_stride : p.x, ok);
+    }
+    const int64_t j0 = t * F::kEntries;  // the step's first stored entry
+    const bool in_row = j0 < p.row_len;
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      if (kTileW * F::kValueChunks % kThreads != 0 && threadIdx.x + j * kThreads >= kTileW * F::kValueChunks) break;
+      const bool ok = v_ok[j] && in_row;
+      sm90::cp_async16(base + v_dst[j], ok ? v[j] + j0 : p.values, ok);
+    }
+    const int64_t word0 = (j0 * F::kBits) >> 5;
+#pragma unroll
+    for (int j = 0; j < kI; ++j) {
+      if (kTileW * F::kIndexWords % kThreads != 0 && threadIdx.x + j * kThreads >= kTileW * F::kIndexWords) break;
+      const int64_t word = word0 + w_col[j];
+      const bool ok = w_ok[j] && word < p.index_words;
+      sm90::cp_async4(base + w_dst[j], ok ? w[j] + word : p.indices, ok);
+    }
+  }
+};
+
+// Selector table for N <= 2: entry code * (M/2) + p is the byte-permute selector that turns the
+// group's stored values (entry e in bytes 2e, 2e+1 of a 32-bit word) into the dense pair of
+// positions 2p, 2p+1, for a group whose offset bits are `code`; 0x44 picks zero bytes.
+template <int kN, int kM>
+__device__ __forceinline__ void fill_selectors(uint16_t* table) {
+  using F = Family<kN, kM>;
+  for (int i = threadIdx.x; i < F::kTableEntries; i += kThreads) {
+    const int code = i / (kM / 2), pair = i % (kM / 2);
+    uint32_t lo = 0x44, hi = 0x44;
+    for (int e = 0; e < kN; ++e) {
+      const int off = (code >> (e * F::kBits)) & ((1 << F::kBits) - 1);
+      const uint32_t bytes = static_cast<uint32_t>(2 * e) | static_cast<uint32_t>(2 * e + 1) << 4;
+      if (off == 2 * pair) lo = bytes;
+      if (off == 2 * pair + 1) hi = bytes;
+    }
+    table[i] = static_cast<uint16_t>(lo | hi << 8);
+  }
+}
+
+// Bits [bit, bit + width) of a step's offsets (width <= 32), shifted down to bit 0. `bit` is a
+// compile-time constant once the callers' loops are unrolled; `extra` is a per-thread shift that
+// never crosses a word.
+__device__ __forceinline__ uint32_t offset_bits(const uint32_t* norm, int bit, int width, int extra) {
+  const int word = bit >> 5, shift = bit & 31;
+  uint32_t v = norm[word] >> (shift + extra);
+  if (shift + width > 32) v |= norm[word + 1] << (32 - shift);
+  return width >= 32 ? v : v & ((1u << width) - 1u);
+}
+
+// The stored values of a group (entry e in bits 16e..16e+15), up to two entries.
+template <int kN>
+__device__ __forceinline__ uint32_t group_values(const uint8_t* p) {
+  if constexpr (kN == 1) return *reinterpret_cast<const uint16_t*>(p);
+  else return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// N >= 4: the dense pair at positions o, o + 1 of a group, by comparing each entry's offset.
+template <int kN, int kM>
+__device__ __forceinline__ uint32_t compare_pair(const uint8_t* group, uint32_t code, int o) {
+  using F = Family<kN, kM>;
+  uint32_t v[kN / 2];
+  if constexpr (kN == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(group);
+    v[0] = u.x; v[1] = u.y;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(group);
+    v[0] = u.x; v[1] = u.y; v[2] = u.z; v[3] = u.w;
+  }
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int e = 0; e < kN; ++e) {
+    const uint32_t off = (code >> (e * F::kBits)) & ((1u << F::kBits) - 1u);
+    const uint32_t value = (v[e / 2] >> (16 * (e & 1))) & 0xffffu;
+    lo |= off == static_cast<uint32_t>(o) ? value : 0u;
+    hi |= off == static_cast<uint32_t>(o + 1) ? value : 0u;
+  }
+  return lo | (hi << 16);
+}
+
+// Writes the 16 dense pairs a thread owns for one step into its warpgroup's dense A tile: tile
+// rows ra and ra + 8 (packed rows `row` and row + 8 of the stage), K positions 16s + 8h + 2q
+// and + 1 for s < 4, h < 2. 32-bit stores: a quad writes one 16-byte chunk, the 8 rows of a
+// warp's store land in 8 different chunks of the swizzle (no bank conflicts).
+template <int kN, int kM, int kRows>
+__device__ __forceinline__ void expand_step(const uint8_t* stage, int64_t t, int row, uint8_t* a_tile, int ra,
+                                            const uint16_t* table, int q) {
+  using F = Family<kN, kM>;
+  using L = Layout<kN, kM, kRows>;
+  const int first_bit = static_cast<int>((t * F::kEntries * F::kBits) & 31);
+  // M = 4 has two groups per 8-position half: the thread's one depends on q.
+  const int qgroup = kM == 4 ? q >> 1 : 0;
+  const int pair_in_group = kM == 4 ? (q & 1) : q;  // + 4h for M = 16
+#pragma unroll
+  for (int half_row = 0; half_row < 2; ++half_row) {
+    const int r = row + 8 * half_row;
+    const uint8_t* values = stage + L::kX + r * F::kValueBytes + qgroup * kN * 2;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + L::kX + L::kValues) + r * F::kIndexWords;
+    uint32_t raw[F::kIndexWords], norm[F::kOffsetWords];
+#pragma unroll
+    for (int i = 0; i < F::kIndexWords; ++i) raw[i] = words[i];
+#pragma unroll
+    for (int i = 0; i < F::kOffsetWords; ++i) norm[i] = __funnelshift_r(raw[i], raw[i + 1], first_bit);
+    const int rt = ra + 8 * half_row;
+    uint8_t* dst = a_tile + rt * 128 + 4 * q;
+#pragma unroll
+    for (int s = 0; s < kBK / 16; ++s)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int g = (16 * s + 8 * h) / kM;  // the half's first group (+ qgroup for M = 4)
+        const int pair = pair_in_group + (kM == 16 ? 4 * h : 0);
+        const uint32_t code = offset_bits(norm, g * F::kGroupBits, F::kGroupBits, qgroup * F::kGroupBits);
+        uint32_t dense;
+        if constexpr (F::kTable) {
+          dense = __byte_perm(group_values<kN>(values + g * kN * 2), 0u, table[code * (kM / 2) + pair]);
+        } else {
+          dense = compare_pair<kN, kM>(values + g * kN * 2, code, 2 * pair);
+        }
+        *reinterpret_cast<uint32_t*>(dst + (((2 * s + h) ^ (rt & 7)) << 4)) = dense;
+      }
+  }
+}
+
+template <typename T, int kN, int kM, int kRows>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using F = Family<kN, kM>;
+  using L = Layout<kN, kM, kRows>;
+  constexpr int S = L::kStages;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
+  uint16_t* table = reinterpret_cast<uint16_t*>(smem + L::kTableOffset);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, wg = warp >> 2;
+  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int64_t steps = (p.groups * kM + kBK - 1) / kBK;
+  // This thread's rows: A-fragment rows g and g + 8 of its warp's 16, in the warpgroup's tile.
+  const int ra = (warp & 3) * 16 + (lane >> 2), row = wg * 64 + ra;
+  auto stage_of = [&](int64_t t) { return smem + (t % S) * L::kStage; };
+  auto a_tile = [&](int64_t t) { return smem + L::kAOffset + (t & 1) * L::kA + wg * 64 * 128; };
+
+  const StepLoader<T, kN, kM, kRows> loader(p, w0, r0);
+
+  float acc[kRows / 2];
+#pragma unroll
+  for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
+  sm90::fence_operands(acc);
+  if constexpr (F::kTable) fill_selectors<kN, kM>(table);
+
+#pragma unroll
+  for (int t = 0; t < S - 2; ++t) {
+    if (t < steps) loader.load(p, stage_of(t), t);
+    sm90::cp_async_commit();
+  }
+  sm90::cp_async_wait<S - 3>();  // step 0 has landed (this thread's copies) ...
+  __syncthreads();               // ... everyone's, and the selector table is written
+  if (steps > 0) expand_step<kN, kM, kRows>(stage_of(0), 0, row, a_tile(0), ra, table, q);
+
+  for (int64_t t = 0; t < steps; ++t) {
+    // Steps t (for the MMAs) and t + 1 (for the expansion) have landed, and A(t) is written;
+    // step t - 2's MMAs retired in the previous iteration, so its stage can be refilled.
+    sm90::cp_async_wait<S - 4>();
+    sm90::fence_async_proxy();
+    __syncthreads();
+    if (t + S - 2 < steps) loader.load(p, stage_of(t + S - 2), t + S - 2);
+    sm90::cp_async_commit();
+
+    const uint32_t xs = sm90::smem_addr(stage_of(t)), as = sm90::smem_addr(a_tile(t));
+    sm90::fence_operands(acc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < kBK / 16; ++s)
+      sm90::Wgmma<kRows>::template run<kBf16>(acc, sm90::sw128_desc(as + s * 32), sm90::sw128_desc(xs + s * 32));
+    sm90::wgmma_commit();
+    sm90::fence_operands(acc);
+    sm90::wgmma_wait<1>();  // step t - 1's MMAs have retired: its A tile is free for step t + 1
+    if (t + 1 < steps) expand_step<kN, kM, kRows>(stage_of(t + 1), t + 1, row, a_tile(t + 1), ra, table, q);
+  }
+  sm90::wgmma_wait<0>();
+  sm90::fence_operands(acc);
+
+  // Accumulator i*4 + h*2 + e holds weight row `row` (+ 8 for h = 1), activation row 8i + 2q + e.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t w = w0 + row + 8 * h;
+    if (w >= p.nout) continue;
+    const float bias = p.bias ? to_f32(p.bias[w]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < kRows / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t r = r0 + 8 * i + 2 * q + e;
+        if (r < p.rows) p.y[r * p.nout + w] = from_f32<T>(p.alpha * acc[i * 4 + h * 2 + e] + bias);
+      }
+  }
+#else
+  __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
+#endif
+}
+
+template <typename T, int kN, int kM, int kRows>
+cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
+  constexpr size_t kSmem = Layout<kN, kM, kRows>::kBytes;
+  static_assert(kSmem <= 227 * 1024, "shared memory per block");
+  static bool configured[64] = {};  // raising the dynamic shared-memory cap: once per device
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (device < 64 && !configured[device]) {
+    if (cudaError_t e = cudaFuncSetAttribute(wgmma_kernel<T, kN, kM, kRows>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+        e != cudaSuccess)
+      return e;
+    configured[device] = true;
+  }
+  const dim3 grid(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW), static_cast<unsigned>((p.rows + kRows - 1) / kRows));
+  wgmma_kernel<T, kN, kM, kRows><<<grid, kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The widest activation tile that still gives every SM a block (wider tiles read each weight
+// tile fewer times; narrower ones fill the GPU at a few hundred rows).
+template <typename T, int kN, int kM>
+cudaError_t launch_rows(const PathParams<T>& p, cudaStream_t stream) {
+  const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
+  if ((p.rows + 255) / 256 * weight_tiles >= sms) return launch<T, kN, kM, 256>(p, stream);
+  if ((p.rows + 127) / 128 * weight_tiles >= sms) return launch<T, kN, kM, 128>(p, stream);
+  return launch<T, kN, kM, 64>(p, stream);
+}
+
+bool is_sm90(int device) {
+  static int known[64] = {};  // 0 unknown, 1 yes, 2 no
+  if (device < 0 || device >= 64) return false;
+  if (known[device] == 0) {
+    int major = 0, minor = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
+    known[device] = ok && major == 9 && minor == 0 ? 1 : 2;
+  }
+  return known[device] == 1;
+}
+
+}  // namespace
+
+bool wgmma_family(int n, int m) {
+  switch (n * 64 + m) {
+    case 1 * 64 + 4: case 2 * 64 + 4: case 1 * 64 + 8: case 2 * 64 + 8:
+    case 4 * 64 + 8: case 4 * 64 + 16: case 8 * 64 + 16: case 2 * 64 + 16: return true;
+    default: return false;
+  }
+}
+
+bool wgmma_device() {
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess && is_sm90(device);
+}
+
+template <typename T>
+cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
+  if constexpr (sizeof(T) != 2) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (p.k % 8 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0 || !wgmma_device()) return cudaErrorInvalidValue;
+    switch (p.n * 64 + p.m) {
+      case 1 * 64 + 4: return launch_rows<T, 1, 4>(p, stream);
+      case 2 * 64 + 4: return launch_rows<T, 2, 4>(p, stream);
+      case 1 * 64 + 8: return launch_rows<T, 1, 8>(p, stream);
+      case 2 * 64 + 8: return launch_rows<T, 2, 8>(p, stream);
+      case 4 * 64 + 8: return launch_rows<T, 4, 8>(p, stream);
+      case 4 * 64 + 16: return launch_rows<T, 4, 16>(p, stream);
+      case 8 * 64 + 16: return launch_rows<T, 8, 16>(p, stream);
+      case 2 * 64 + 16: return launch_rows<T, 2, 16>(p, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+}
+
+template cudaError_t run_wgmma<float>(PathParams<float>, cudaStream_t);
+template cudaError_t run_wgmma<__half>(PathParams<__half>, cudaStream_t);
+template cudaError_t run_wgmma<__nv_bfloat16>(PathParams<__nv_bfloat16>, cudaStream_t);
+
+}  // namespace nmcli
