@@ -70,6 +70,7 @@ def test_library_reports_cuda_when_built_with_nvcc():
     sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
     assert _kernels.cuda_path(4096, 4, 16, 4096, 4096, "bfloat16") == ("wgmma" if sm90 else "mma")
     assert _kernels.cuda_path(127, 2, 8, 4096, 4096, "float16") == "mma"
+    assert _kernels.cuda_path(256, 2, 8, 1024, 1024, "float16") == "mma"  # 32 wgmma blocks: too few
     assert _kernels.cuda_path(4096, 2, 8, 4100, 4096, "float16") == "mma"  # K % 8 != 0: no 16-byte copies
     assert not _kernels.cuda_path_supported("wgmma", 4096, 2, 8, "float32", 4096)
     assert not _kernels.cuda_path_supported("wgmma", 4096, 3, 8, "float16", 4096)

@@ -4,7 +4,9 @@
 // LLaMA shapes at 1..32 rows; session 5: --path mma|wgmma at 64..4096 rows): the decode path
 // for 1..8 activation rows; from 128 rows the warpgroup (wgmma) path on compute capability 9.0
 // where it applies (fp16/bf16, K % 8 == 0, the families wgmma.cu compiles: it is 1.1-3.3x the
-// mma path there, while at 64 rows the mma path's split-K wins on 3 of 5 LLaMA shapes); from
+// mma path there, while at 64 rows the mma path's split-K wins on 3 of 5 LLaMA shapes) and its
+// grid has at least 48 blocks (narrow outputs at a few hundred rows leave most SMs idle: 256 x
+// 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks); from
 // 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a
 // cluster keeps small row counts fast), else decode up to 16 rows and the tiled SIMT path above.
 #include "kernels.cuh"
@@ -82,7 +84,10 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
 
 CudaPath choose_path(const CudaMatMul& call) {
   if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
-  if (call.rows >= kWgmmaCrossover && path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
+  const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile *
+                               ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);
+  if (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks && path_supported(call, CudaPath::wgmma))
+    return CudaPath::wgmma;
   if (path_supported(call, CudaPath::mma)) return CudaPath::mma;
   return call.rows <= kDecodeMaxRows ? CudaPath::decode : CudaPath::tiled;
 }

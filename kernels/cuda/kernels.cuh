@@ -25,7 +25,10 @@ struct DecodeParamsT : PathParams<T> {
 
 constexpr int64_t kDecodeMaxRows = 16;  // the decode path handles 1..16 activation rows
 constexpr int64_t kDecodeMmaCrossover = 8;  // ... and is faster than the mma path up to 8
-constexpr int64_t kWgmmaCrossover = 128;    // the wgmma path from this many rows (sm_90)
+constexpr int64_t kWgmmaCrossover = 128;    // the wgmma path from this many rows (sm_90) ...
+constexpr int64_t kWgmmaMinBlocks = 48;     // ... when its grid of smallest tiles has this many blocks
+constexpr int64_t kWgmmaWeightTile = 128;   // weight rows per wgmma block
+constexpr int64_t kWgmmaMinRowTile = 64;    // its smallest activation tile
 
 template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t stream);
 template <typename T> cudaError_t run_tiled(PathParams<T> p, cudaStream_t stream);

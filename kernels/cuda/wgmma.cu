@@ -39,6 +39,7 @@ constexpr int kBK = 64;                      // K positions per step: one 128-by
 constexpr int kWarpgroups = 2;
 constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kTileW = 64 * kWarpgroups;     // weight rows (output features) per block
+static_assert(kTileW == kWgmmaWeightTile, "the dispatch sizes the grid with kWgmmaWeightTile");
 
 template <int kN, int kM>
 struct Family {
