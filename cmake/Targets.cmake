@@ -17,11 +17,7 @@ if(NMCLI_WITH_CUDA AND NMCLI_KERNEL_CUDA_SOURCES)
   target_link_libraries(nmcli_kernels PUBLIC CUDA::cudart_static)
   list(APPEND NMCLI_OPS_SOURCES ops/nm_matmul_cuda_op.cc)
   if("90" IN_LIST NMCLI_CUDA_ARCHS)  # the warpgroup path runs on compute capability 9.0 only
-    add_library(nmcli_kernels_sm90a OBJECT ${NMCLI_KERNEL_SM90A_FILES})
-    set_target_properties(nmcli_kernels_sm90a PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)
-    target_include_directories(nmcli_kernels_sm90a PRIVATE ${PROJECT_SOURCE_DIR}/kernels)
-    target_compile_options(nmcli_kernels_sm90a PRIVATE -gencode=arch=compute_90a,code=sm_90a -O3 --use_fast_math
-                           -Xptxas=-v -lineinfo)
+    nmcli_add_sm90a_objects(nmcli_kernels_sm90a ${PROJECT_SOURCE_DIR})
     target_sources(nmcli_kernels PRIVATE $<TARGET_OBJECTS:nmcli_kernels_sm90a>)
     target_compile_definitions(nmcli_kernels PUBLIC NMCLI_WITH_SM90A)
   endif()

@@ -308,16 +308,7 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
   p.staged_positions = static_cast<int>((chunk + VEC) * p.m);
   const size_t smem = static_cast<size_t>(skew(p.staged_positions - 1) + 1) * kPositionBytes;
 
-  static bool configured[64] = {};  // raising the dynamic shared-memory cap: once per device
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (device < 64 && !configured[device]) {
-    if (cudaError_t e = cudaFuncSetAttribute(decode_kernel<T, R, kN, kM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             kStageBytes + 4096);
-        e != cudaSuccess)
-      return e;
-    configured[device] = true;
-  }
+  if (cudaError_t e = allow_dynamic_smem<decode_kernel<T, R, kN, kM>>(kStageBytes + 4096); e != cudaSuccess) return e;
   // Persistent grid: at most as many blocks as fit on the GPU at once (each walks several row
   // tiles), so the activations are staged once per block and no wave of blocks drains the memory
   // pipe; and just enough of them that every block walks the same number of tiles (896 tiles on

@@ -42,4 +42,19 @@ bool wgmma_device();              // the current device runs sm_90a code (comput
 // SMs of the current device (cached per device).
 int multiprocessor_count();
 
+// Raises kKernel's dynamic shared-memory cap to `bytes` on the current device, once per device
+// (every launch of a kernel asks for the same cap).
+template <auto kKernel>
+cudaError_t allow_dynamic_smem(int bytes) {
+  static bool configured[64] = {};
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (device < 64 && !configured[device]) {
+    if (cudaError_t e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes); e != cudaSuccess)
+      return e;
+    configured[device] = true;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace nmcli

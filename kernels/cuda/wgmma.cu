@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
     sm90::wgmma_fence();
 #pragma unroll
     for (int s = 0; s < kBK / 16; ++s)
-      sm90::Wgmma<kRows>::template run<kBf16>(acc, sm90::sw128_desc(as + s * 32), sm90::sw128_desc(xs + s * 32));
+      sm90::wgmma<kRows, kBf16>(acc, sm90::sw128_desc(as + s * 32), sm90::sw128_desc(xs + s * 32));
     sm90::wgmma_commit();
     sm90::fence_operands(acc);
     sm90::wgmma_wait<1>();  // step t - 1's MMAs have retired: its A tile is free for step t + 1
@@ -331,16 +331,8 @@ template <typename T, int kN, int kM, int kRows>
 cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
   constexpr size_t kSmem = Layout<kN, kM, kRows>::kBytes;
   static_assert(kSmem <= 227 * 1024, "shared memory per block");
-  static bool configured[64] = {};  // raising the dynamic shared-memory cap: once per device
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (device < 64 && !configured[device]) {
-    if (cudaError_t e = cudaFuncSetAttribute(wgmma_kernel<T, kN, kM, kRows>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
-        e != cudaSuccess)
-      return e;
-    configured[device] = true;
-  }
+  if (cudaError_t e = allow_dynamic_smem<wgmma_kernel<T, kN, kM, kRows>>(static_cast<int>(kSmem)); e != cudaSuccess)
+    return e;
   const dim3 grid(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW), static_cast<unsigned>((p.rows + kRows - 1) / kRows));
   wgmma_kernel<T, kN, kM, kRows><<<grid, kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
@@ -354,6 +346,24 @@ cudaError_t launch_rows(const PathParams<T>& p, cudaStream_t stream) {
   if ((p.rows + 255) / 256 * weight_tiles >= sms) return launch<T, kN, kM, 256>(p, stream);
   if ((p.rows + 127) / 128 * weight_tiles >= sms) return launch<T, kN, kM, 128>(p, stream);
   return launch<T, kN, kM, 64>(p, stream);
+}
+
+// Calls fn(N, M) with the family as compile-time constants (std::integral_constant), or
+// fn(0, 0) for a family wgmma.cu does not compile: the one list of the path's families.
+template <typename Fn>
+auto with_family(int n, int m, Fn&& fn) {
+  using std::integral_constant;
+  switch (n * 64 + m) {
+    case 1 * 64 + 4: return fn(integral_constant<int, 1>{}, integral_constant<int, 4>{});
+    case 2 * 64 + 4: return fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+    case 1 * 64 + 8: return fn(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+    case 2 * 64 + 8: return fn(integral_constant<int, 2>{}, integral_constant<int, 8>{});
+    case 4 * 64 + 8: return fn(integral_constant<int, 4>{}, integral_constant<int, 8>{});
+    case 4 * 64 + 16: return fn(integral_constant<int, 4>{}, integral_constant<int, 16>{});
+    case 8 * 64 + 16: return fn(integral_constant<int, 8>{}, integral_constant<int, 16>{});
+    case 2 * 64 + 16: return fn(integral_constant<int, 2>{}, integral_constant<int, 16>{});
+    default: return fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
+  }
 }
 
 bool is_sm90(int device) {
@@ -371,11 +381,7 @@ bool is_sm90(int device) {
 }  // namespace
 
 bool wgmma_family(int n, int m) {
-  switch (n * 64 + m) {
-    case 1 * 64 + 4: case 2 * 64 + 4: case 1 * 64 + 8: case 2 * 64 + 8:
-    case 4 * 64 + 8: case 4 * 64 + 16: case 8 * 64 + 16: case 2 * 64 + 16: return true;
-    default: return false;
-  }
+  return with_family(n, m, [](auto kN, auto) { return kN() != 0; });
 }
 
 bool wgmma_device() {
@@ -389,17 +395,10 @@ cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   } else {
     if (p.k % 8 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0 || !wgmma_device()) return cudaErrorInvalidValue;
-    switch (p.n * 64 + p.m) {
-      case 1 * 64 + 4: return launch_rows<T, 1, 4>(p, stream);
-      case 2 * 64 + 4: return launch_rows<T, 2, 4>(p, stream);
-      case 1 * 64 + 8: return launch_rows<T, 1, 8>(p, stream);
-      case 2 * 64 + 8: return launch_rows<T, 2, 8>(p, stream);
-      case 4 * 64 + 8: return launch_rows<T, 4, 8>(p, stream);
-      case 4 * 64 + 16: return launch_rows<T, 4, 16>(p, stream);
-      case 8 * 64 + 16: return launch_rows<T, 8, 16>(p, stream);
-      case 2 * 64 + 16: return launch_rows<T, 2, 16>(p, stream);
-      default: return cudaErrorInvalidValue;
-    }
+    return with_family(p.n, p.m, [&](auto kN, auto kM) {
+      if constexpr (kN() == 0) return cudaErrorInvalidValue;
+      else return launch_rows<T, kN(), kM()>(p, stream);
+    });
   }
 }
 

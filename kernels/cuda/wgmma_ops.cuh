@@ -114,29 +114,17 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
     "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
     : "l"(a_desc), "l"(b_desc))
 
-template <int kWidth>
-struct Wgmma;
-template <>
-struct Wgmma<64> {
-  template <bool kBf16>
-  static __device__ __forceinline__ void run(float (&d)[32], uint64_t a_desc, uint64_t b_desc) {
+template <int kWidth, bool kBf16>
+__device__ __forceinline__ void wgmma(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc) {
+  static_assert(kWidth == 64 || kWidth == 128 || kWidth == 256, "activation tile widths we launch");
+  if constexpr (kWidth == 64) {
     if constexpr (kBf16) NMCLI_WGMMA_SS_M64N64K16("bf16"); else NMCLI_WGMMA_SS_M64N64K16("f16");
-  }
-};
-template <>
-struct Wgmma<128> {
-  template <bool kBf16>
-  static __device__ __forceinline__ void run(float (&d)[64], uint64_t a_desc, uint64_t b_desc) {
+  } else if constexpr (kWidth == 128) {
     if constexpr (kBf16) NMCLI_WGMMA_SS_M64N128K16("bf16"); else NMCLI_WGMMA_SS_M64N128K16("f16");
-  }
-};
-template <>
-struct Wgmma<256> {
-  template <bool kBf16>
-  static __device__ __forceinline__ void run(float (&d)[128], uint64_t a_desc, uint64_t b_desc) {
+  } else {
     if constexpr (kBf16) NMCLI_WGMMA_SS_M64N256K16("bf16"); else NMCLI_WGMMA_SS_M64N256K16("f16");
   }
-};
+}
 
 }  // namespace sm90
 }  // namespace nmcli
