@@ -1,5 +1,5 @@
 """Calibration for activation-aware pruning: per input channel, ||X_k|| over calibration data
-for the activation that feeds each prunable node.
+for the activation that feeds each prunable node (wanda), or its whole gram X^T X (sparsegpt).
 
 The activations are read by running a temporary copy of the model in onnxruntime (CPU) with
 those tensors added as graph outputs; the user's model is never changed. Only running sums of
@@ -63,6 +63,35 @@ def generated_calibration(specs: list[InputSpec], samples: int, tokens: int, rng
 
 def channel_sq_sums(model: onnx.ModelProto, activations: dict[str, int], feeds: list[dict]) -> dict[str, np.ndarray]:
     """Sum over all calibration rows of X_k^2, per activation tensor (name -> channel axis)."""
+    return _accumulate(model, activations, feeds, lambda x: np.einsum("rk,rk->k", x, x))
+
+
+def gram_passes(model: onnx.ModelProto, activations: dict[str, int], channels: dict[str, int],
+                feeds: list[dict], budget_bytes: int = 2 << 30):
+    """Yield {name: sum over calibration rows of X^T X ([K, K], float64)} for groups of the
+    activations (name -> channel axis; `channels`: name -> K).
+
+    A gram costs 8 K^2 bytes (970 MB at K = 11008): each group's grams stay under
+    `budget_bytes` (one gram at least) and the caller drops a group before the next one is
+    computed. More calibration runs, bounded memory."""
+    batch: dict[str, int] = {}
+    used = 0
+    for name, axis in activations.items():
+        size = 8 * channels[name] ** 2
+        if batch and used + size > budget_bytes:
+            yield _accumulate(model, batch, feeds, lambda x: x.T @ x)
+            batch, used = {}, 0
+        batch[name], used = axis, used + size
+    if batch:
+        yield _accumulate(model, batch, feeds, lambda x: x.T @ x)
+
+
+def _accumulate(model: onnx.ModelProto, activations: dict[str, int], feeds: list[dict], statistic
+                ) -> dict[str, np.ndarray]:
+    """Sum of statistic(X [rows, channels] float64) over the calibration feeds, per activation.
+
+    The activations are read as extra outputs of a temporary copy of the model; only the running
+    sums are kept, so memory does not grow with the number of samples."""
     from .runtime import session
 
     probe = onnx.ModelProto()
@@ -84,6 +113,6 @@ def channel_sq_sums(model: onnx.ModelProto, activations: dict[str, int], feeds: 
             raise NmcliError(f"calibration run failed: {first_line(exc)}") from None
         for name, value in zip(names, values):
             x = np.moveaxis(np.asarray(value, np.float64), activations[name], -1)
-            sq = np.square(x).reshape(-1, x.shape[-1]).sum(axis=0)
-            sums[name] = sums[name] + sq if name in sums else sq
+            stat = statistic(x.reshape(-1, x.shape[-1]))
+            sums[name] = sums[name] + stat if name in sums else stat
     return sums

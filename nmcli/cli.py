@@ -69,6 +69,8 @@ EXCLUDE_HELP = "Skip layers whose node or weight name matches this regex (repeat
 MIN_SIZE_HELP = "Skip weights with fewer elements than this."
 PERMUTE_HELP = ("Reorder input channels before N:M grouping where it keeps more of the criterion score "
                 "(one Gather of the activation per call; outputs equal the dense model with the same weights).")
+FUSE_HELP = ("Merge MatMuls that read the same activation (Q/K/V, gate/up) into one op plus a Split: "
+             "fewer, wider kernel calls.")
 
 
 @app.command()
@@ -77,13 +79,16 @@ def prune(
     model: Path = typer.Argument(..., help="Input ONNX model (never modified)."),
     nm: str = typer.Option("2:8", "--nm", help=NM_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output model [default: MODEL.nm.onnx]."),
-    method: str = typer.Option("magnitude", "--method", help="How to choose the kept weights: magnitude (|W|) or "
-                                                           "wanda (|W| * ||X_k|| from calibration inputs)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration inputs for wanda: .npz with one array per "
+    method: str = typer.Option("magnitude", "--method", help="How to choose the kept weights: magnitude (|W|), "
+                                                           "wanda (|W| * ||X_k|| from calibration inputs) or sparsegpt "
+                                                           "(also updates the kept weights to offset the dropped ones)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration inputs for wanda and sparsegpt: .npz with "
+                                                               "one array per "
                                                                "model input, samples on axis 0."),
     calib_samples: int = typer.Option(8, "--calib-samples", min=1, help="Generated calibration samples without --calib."),
     calib_tokens: int = typer.Option(64, "--calib-tokens", min=1, help="Sequence length of generated samples."),
     permute: bool = typer.Option(False, "--permute", help=PERMUTE_HELP),
+    fuse: bool = typer.Option(True, "--fuse/--no-fuse", help=FUSE_HELP),
     include: List[str] = typer.Option([], "--include", help=INCLUDE_HELP),
     exclude: List[str] = typer.Option([], "--exclude", help=EXCLUDE_HELP),
     min_size: int = typer.Option(0, "--min-size", min=0, help=MIN_SIZE_HELP),
@@ -102,7 +107,8 @@ def prune(
     selection = Selection(pattern, include=include, exclude=exclude, min_size=min_size)
     feeds = _calibration(dense, criterion, calib, calib_samples, calib_tokens)
     with err.status("searching channel orders (--permute)") if permute else contextlib.nullcontext():
-        pruned, report = prune_model(dense, selection, criterion=criterion, calibration=feeds, permute=permute)
+        pruned, report = prune_model(dense, selection, criterion=criterion, calibration=feeds, permute=permute,
+                                     fuse=fuse)
     _check(pruned)
     written = save_model(pruned, output)
     if as_json:
@@ -234,6 +240,7 @@ def bench_model(
     sparse: Optional[Path] = typer.Option(None, "--sparse", help="Compare against this already converted model."),
     method: str = typer.Option("magnitude", "--method", help="Pruning criterion with --nm."),
     permute: bool = typer.Option(False, "--permute", help="With --nm: " + PERMUTE_HELP),
+    fuse: bool = typer.Option(True, "--fuse/--no-fuse", help="With --nm: " + FUSE_HELP),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when there is a GPU), cuda or cpu."),
     tokens: List[int] = typer.Option([], "--tokens", min=1, help="Sequence lengths to sweep "
                                      "[default: 1 and 512 on a GPU, 1 and 64 on a CPU]."),
@@ -262,9 +269,9 @@ def bench_model(
         criterion = get_criterion(method)
         sparse_model, prune_report = prune_model(dense, Selection(pattern), criterion=criterion,
                                                  calibration=_calibration(dense, criterion, None, 8, 64),
-                                                 permute=permute)
+                                                 permute=permute, fuse=fuse)
         extra = {"dense_model": str(model), "nm": str(pattern), "method": prune_report.method,
-                 "permute": permute, "pruned_layers": len(prune_report.layers)}
+                 "permute": permute, "fuse": fuse, "pruned_layers": len(prune_report.layers)}
     _bench_and_print(dense, sparse_model, device_choice=bm.pick_device(device), tokens=tokens, batch=batch, shape=shape, warmup=warmup,
                      runs=runs, as_json=as_json, dense_path=str(model), sparse_path=str(sparse) if sparse else None,
                      extra=extra, cuda_graph=cuda_graph)
@@ -285,6 +292,7 @@ def demo(
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help=CUDA_GRAPH_HELP),
     output_dir: Path = typer.Option(Path("nmcli-demo"), "--output-dir", help="Where the two models are saved."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    fuse: bool = typer.Option(True, "--fuse/--no-fuse", help=FUSE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ):
     """Build a LLaMA-style decoder block, save it, prune it to N:M and bench dense vs sparse."""
@@ -308,13 +316,13 @@ def demo(
                     f"{config.dtype}, {config.params / 1e6:.0f}M parameters) and pruning it to {pattern}"):
         dense = llama_model(config, np.random.default_rng(seed))
         save_model(dense, dense_path)
-        sparse, prune_report = prune_model(dense, Selection(pattern))
+        sparse, prune_report = prune_model(dense, Selection(pattern), fuse=fuse)
         save_model(sparse, sparse_path)
     if not as_json:
         out.print(f"[green]saved[/] {dense_path} and {sparse_path} ({len(prune_report.layers)} layers pruned to {pattern})")
     _bench_and_print(dense, sparse, device_choice=(chosen, notes), tokens=tokens, batch=1, shape=[], warmup=None, runs=runs,
                      as_json=as_json, dense_path=str(dense_path), sparse_path=str(sparse_path),
-                     extra={"config": config.to_dict(), "nm": str(pattern), "dense_model": str(dense_path),
+                     extra={"config": config.to_dict(), "nm": str(pattern), "fuse": fuse, "dense_model": str(dense_path),
                             "sparse_model": str(sparse_path)}, cuda_graph=cuda_graph)
 
 
@@ -429,7 +437,7 @@ def _calibration(model, criterion, calib, samples: int, tokens: int):
     """Calibration feeds for criteria that need them (None otherwise)."""
     if not getattr(criterion, "needs_calibration", False):
         if calib is not None:
-            raise NmcliError(f"--calib is only used by activation-aware methods (wanda), not '{criterion.name}'")
+            raise NmcliError(f"--calib is only used by activation-aware methods (wanda, sparsegpt), not '{criterion.name}'")
         return None
     import numpy as np
 

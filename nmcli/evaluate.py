@@ -100,7 +100,27 @@ def stored_weights(model: onnx.ModelProto):
             original = np.zeros_like(weight)
             original[perm] = weight  # packed row r is original channel perm[r]
             weight = original
-        yield node.name or node.output[0], weight, pattern, perm is not None
+        parts = _split_parts(node.output[0], model, inits)
+        if parts is None or sum(size for _, size in parts) != weight.shape[1]:
+            yield node.name or node.output[0], weight, pattern, perm is not None
+            continue
+        start = 0
+        for output, size in parts:  # fused siblings (prune_model fuse=True): one entry per original output
+            yield output, weight[:, start:start + size], pattern, perm is not None
+            start += size
+
+
+def _split_parts(tensor: str, model: onnx.ModelProto, inits) -> list[tuple[str, int]] | None:
+    """(output, width) of the Split along the last axis that is the only reader of `tensor`."""
+    readers = [n for n in model.graph.node if tensor in n.input]
+    if len(readers) != 1 or readers[0].op_type != "Split" or _attr(readers[0], "axis", 0) != -1:
+        return None
+    split = readers[0]
+    if len(split.input) > 1 and split.input[1] in inits:
+        sizes = numpy_helper.to_array(inits[split.input[1]]).tolist()
+    else:
+        sizes = list(_attr(split, "split", []))
+    return list(zip(split.output, sizes)) if len(sizes) == len(split.output) else None
 
 
 def _channel_order(producer, inits) -> np.ndarray | None:
@@ -117,13 +137,14 @@ def layer_errors(dense: onnx.ModelProto, sparse: onnx.ModelProto) -> tuple[list[
 
     if not any(n.domain == OP_DOMAIN and n.op_type == OP_TYPE for n in sparse.graph.node):
         raise ModelError("the sparse model has no nmcli.NMMatMul nodes: nothing to compare (run nmcli prune first)")
-    originals = {}
+    originals, by_output = {}, {}  # fused ops are reported per original node, found by its output
     for cand in find_candidates(dense, Selection(NMPattern(1, 2))):
         if cand.weight is not None:
-            originals[cand.name] = cand.weight
+            originals[cand.name] = (cand.name, cand.weight)
+            by_output[cand.node.output[0]] = (cand.name, cand.weight)
     layers, notes = [], []
     for name, pruned, pattern, permuted in stored_weights(sparse):
-        weight = originals.get(name)
+        name, weight = originals.get(name) or by_output.get(name) or (name, None)
         if weight is None or weight.shape != pruned.shape:
             notes.append(f"{name}: no dense node of that name and shape; its weight error is not shown")
             continue

@@ -57,7 +57,17 @@ class Wanda:
         return np.abs(weight.astype(np.float64)) * layer.input_channel_norms.astype(np.float64)[:, None]
 
 
-CRITERIA: dict[str, type] = {"magnitude": Magnitude, "wanda": Wanda}
+class SparseGPT(Wanda):
+    """Wanda's choice refined with error compensation (obs.py): the kept weights are updated
+    so the layer's output on the calibration data changes least. The prune step calls
+    `obs.sparsegpt` with each activation's gram X^T X; `scores` (Wanda's) only rank channel
+    orders for --permute."""
+
+    name = "sparsegpt"
+    needs_gram = True
+
+
+CRITERIA: dict[str, type] = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT}
 
 
 def choose_offsets(scores: np.ndarray, pattern: NMPattern) -> np.ndarray:

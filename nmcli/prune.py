@@ -47,6 +47,48 @@ def _channel_norms(model, chosen, calibration) -> dict:
     return {key: np.sqrt(value) for key, value in norms.items()}
 
 
+def _compensated(model, chosen, calibration, pattern, orders) -> dict:
+    """weight key -> (packed, rel. error) pruned by SparseGPT (obs.py) on the gram of the
+    activations it multiplies, in the channel order chosen for the weight. Grams come a few at
+    a time (calibrate.gram_passes) and each weight is solved as soon as its grams are in."""
+    from .calibrate import activation_of, gram_passes
+
+    keys_of: dict[str, list] = {}          # activation -> weights it feeds
+    first = {}
+    for cand in chosen:
+        keys = keys_of.setdefault(activation_of(cand)[0], [])
+        if cand.weight_key not in keys:
+            keys.append(cand.weight_key)
+        first.setdefault(cand.weight_key, cand)
+    pending = {key: sum(key in keys for keys in keys_of.values()) for key in first}
+    axes = {name: activation_of(first[keys[0]])[1] for name, keys in keys_of.items()}
+    channels = {name: first[keys[0]].weight.shape[0] for name, keys in keys_of.items()}
+    sums: dict = {}
+    solved = {}
+    for grams in gram_passes(model, axes, channels, calibration):
+        for name, gram in grams.items():
+            for key in keys_of[name]:       # a weight shared by several nodes sees all their inputs
+                sums[key] = sums.get(key, 0) + gram
+                pending[key] -= 1
+                if pending[key] == 0:
+                    solved[key] = _solve(first[key].weight, sums.pop(key), pattern, orders.get(key))
+    return solved
+
+
+def _solve(weight, gram, pattern, order) -> tuple[nmformat.PackedWeight, float]:
+    from .obs import sparsegpt
+
+    if gram.shape[0] != weight.shape[0]:
+        raise NmcliError(f"calibration activation has {gram.shape[0]} channels, weight K is {weight.shape[0]}")
+    if order is not None:
+        perm = order[1]
+        weight, gram = weight[perm], gram[np.ix_(perm, perm)]
+    keep, compensated = sparsegpt(weight, gram, pattern)
+    offsets = choose_offsets(keep.astype(np.float64), pattern)
+    packed = nmformat.pack(compensated.astype(weight.dtype), offsets, pattern)
+    return packed, _rel_error(weight, packed)
+
+
 def get_criterion(method: str) -> MaskCriterion:
     try:
         return CRITERIA[method]()
@@ -59,20 +101,24 @@ def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, scores: np.nda
     """Pack one weight [K, Nout] keeping the top scores; returns it and ||W - W'|| / ||W||."""
     offsets = choose_offsets(scores, pattern)
     packed = nmformat.pack(weight, offsets, pattern)
+    return packed, _rel_error(weight, packed)
+
+
+def _rel_error(weight: np.ndarray, packed: nmformat.PackedWeight) -> float:
     dense = weight.astype(np.float64)
     norm = np.linalg.norm(dense)
-    rel_error = float(np.linalg.norm(dense - nmformat.unpack(packed).astype(np.float64)) / norm) if norm else 0.0
-    return packed, rel_error
+    return float(np.linalg.norm(dense - nmformat.unpack(packed).astype(np.float64)) / norm) if norm else 0.0
 
 
 def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "magnitude",
                 criterion: MaskCriterion | None = None, calibration: list[dict] | None = None,
-                permute: bool = False) -> tuple[onnx.ModelProto, PruneReport]:
+                permute: bool = False, fuse: bool = True) -> tuple[onnx.ModelProto, PruneReport]:
     """Return a pruned copy of `model` (the input is not modified) and the per-layer report.
 
     `calibration`: input feeds (one dict per sample) for activation-aware criteria.
     `permute`: reorder input channels before grouping where that keeps more of the criterion
-    score (permute.py); the pruned node then reads its activation through a Gather."""
+    score (permute.py); the pruned node then reads its activation through a Gather.
+    `fuse`: MatMuls that read the same activation become one op and a Split (_sibling_groups)."""
     criterion = criterion or get_criterion(method)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -87,7 +133,11 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     graph = out.graph
     taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
 
-    norms = _channel_norms(model, chosen, calibration) if getattr(criterion, "needs_calibration", False) else {}
+    # SparseGPT reads the grams; it needs the norms only to rank channel orders.
+    needs_norms = getattr(criterion, "needs_calibration", False) and (permute or not getattr(criterion, "needs_gram", False))
+    if getattr(criterion, "needs_calibration", False) and not calibration:
+        raise NmcliError("this pruning method needs calibration inputs")
+    norms = _channel_norms(model, chosen, calibration) if needs_norms else {}
     first_node = {c.weight_key: c for c in reversed(chosen)}  # first node of each weight wins
 
     def score_of(key) -> np.ndarray:
@@ -101,17 +151,22 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
         raise ModelError("--permute needs opset 11 or later (it adds Gather nodes with axis=-1); "
                          f"the model uses opset {_default_opset(out)}")
     orders = _channel_orders(chosen, score_of, selection.pattern, graph, taken) if permute else {}
+    solved = (_compensated(model, chosen, calibration, selection.pattern, orders)
+              if getattr(criterion, "needs_gram", False) else {})
     pruned: dict[tuple[str, bool], PrunedWeight] = {}
     for cand in chosen:
         key = cand.weight_key
         if key in pruned:
             continue
         perm_name, perm, gain = orders.get(key, (None, None, 0.0))
-        weight, score = cand.weight, score_of(key)
-        if perm is not None:
-            weight, score = weight[perm], score[perm]
-        packed, rel_error = prune_weight(weight, selection.pattern, score)
-        del score
+        if key in solved:
+            packed, rel_error = solved.pop(key)
+        else:
+            weight, score = cand.weight, score_of(key)
+            if perm is not None:
+                weight, score = weight[perm], score[perm]
+            packed, rel_error = prune_weight(weight, selection.pattern, score)
+            del score
         base = cand.weight_name + (".T" if key[1] else "")
         entry = PrunedWeight(packed, _unique(base + ".nm_values", taken), _unique(base + ".nm_indices", taken),
                              rel_error, cand.weight.nbytes, perm_name, gain)
@@ -121,7 +176,16 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
 
     sharing = {key: sum(c.weight_key == key for c in chosen) for key in pruned}
     gathers: dict[tuple[str, str], str] = {}
-    replacements = {id(c.node): _rewrite_node(c, pruned[c.weight_key], graph, taken, gathers) for c in chosen}
+    group_of = {id(c.node): group for group in (_sibling_groups(chosen, pruned, sharing) if fuse else [])
+                for c in group}
+    replacements = {}
+    for cand in chosen:  # in graph order, so a shared Gather is emitted before its first reader
+        group = group_of.get(id(cand.node))
+        if group is None:
+            replacements[id(cand.node)] = _rewrite_node(cand, pruned[cand.weight_key], graph, taken, gathers)
+        elif cand is group[0]:
+            replacements.update(_fuse(group, [pruned[c.weight_key] for c in group], graph, taken, gathers,
+                                      _default_opset(out)))
     new_nodes = []
     for node in graph.node:
         new_nodes.extend(replacements.get(id(node), [node]))
@@ -211,16 +275,69 @@ def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, 
             inputs.append(bias)
         if product is not None:
             output = product
-    if entry.perm_name is not None:
-        # x[..., perm] @ W[perm] == x @ W: the op sees the channels in packed order.
-        key = (inputs[0], entry.perm_name)
-        if key not in gathers:
-            gathers[key] = _unique(inputs[0] + ".nm_permuted", taken)
-            pre.append(helper.make_node("Gather", [inputs[0], entry.perm_name], [gathers[key]],
-                                        name=gathers[key], axis=-1))
-        inputs[0] = gathers[key]
+    inputs[0] = _in_channel_order(inputs[0], entry.perm_name, taken, gathers, pre)
     core = helper.make_node(OP_TYPE, inputs, [output], name=node.name or output, domain=OP_DOMAIN, **attrs)
     return pre + [core] + post
+
+
+def _sibling_groups(chosen: list[Candidate], pruned: dict, sharing: dict) -> list[list[Candidate]]:
+    """MatMuls that read the same activation (Q, K and V; gate and up), in graph order.
+
+    One op over the concatenated weight replaces them: at decode sizes each call pays a fixed
+    start and drain cost, and a wider weight keeps more of the GPU busy. Only plain MatMuls
+    whose weight no other node uses are fused (their packed rows are concatenated as is)."""
+    groups: dict[tuple, list[Candidate]] = {}
+    for cand in chosen:
+        entry = pruned[cand.weight_key]
+        if cand.node.op_type == "MatMul" and sharing[cand.weight_key] == 1:
+            key = (cand.node.input[0], entry.perm_name, entry.packed.shape.k, entry.packed.values.dtype.str)
+            groups.setdefault(key, []).append(cand)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def _fuse(group: list[Candidate], entries: list[PrunedWeight], graph: onnx.GraphProto, taken: set[str],
+          gathers: dict, opset: int) -> dict[int, list[onnx.NodeProto]]:
+    """Node replacements for one sibling group: the first node becomes one op on the
+    concatenated weight followed by a Split that restores every original output; the others
+    go. The packed format stores one row per output column, so concatenating rows is exact."""
+    shape = entries[0].packed.shape
+    sizes = [e.packed.shape.nout for e in entries]
+    values = np.concatenate([e.packed.values for e in entries])
+    indices = np.concatenate([e.packed.indices for e in entries])
+    base = _unique("+".join(c.weight_name for c in group)[:200] + ".nm_fused", taken)
+    values_name, indices_name = _unique(base + "_values", taken), _unique(base + "_indices", taken)
+    graph.initializer.extend([numpy_helper.from_array(values, values_name),
+                              numpy_helper.from_array(indices, indices_name)])
+    pre = []
+    activation = _in_channel_order(group[0].node.input[0], entries[0].perm_name, taken, gathers, pre)
+    fused_out = _unique(group[0].node.output[0] + ".nm_fused", taken)
+    name = "+".join(c.name for c in group)
+    core = helper.make_node(OP_TYPE, [activation, values_name, indices_name], [fused_out], name=name,
+                            domain=OP_DOMAIN, n=shape.pattern.n, m=shape.pattern.m, k=shape.k)
+    outputs = [c.node.output[0] for c in group]
+    if opset >= 13:
+        split_name = _unique(base + "_split", taken)
+        graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), split_name))
+        split = helper.make_node("Split", [fused_out, split_name], outputs, name=name + ".nm_split", axis=-1)
+    else:
+        split = helper.make_node("Split", [fused_out], outputs, name=name + ".nm_split", axis=-1, split=sizes)
+    replaced = {id(c.node): [] for c in group[1:]}
+    replaced[id(group[0].node)] = pre + [core, split]
+    return replaced
+
+
+def _in_channel_order(activation: str, perm_name: str | None, taken: set[str], gathers: dict,
+                      pre: list[onnx.NodeProto]) -> str:
+    """The activation as the op must read it: through a Gather when the weight's input
+    channels were reordered (x[..., perm] @ W[perm] == x @ W). Nodes reading the same
+    activation in the same order share one Gather (`gathers`)."""
+    if perm_name is None:
+        return activation
+    key = (activation, perm_name)
+    if key not in gathers:
+        gathers[key] = _unique(activation + ".nm_permuted", taken)
+        pre.append(helper.make_node("Gather", [activation, perm_name], [gathers[key]], name=gathers[key], axis=-1))
+    return gathers[key]
 
 
 def _gemm_bias(node, cand: Candidate, graph, taken):

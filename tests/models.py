@@ -41,3 +41,11 @@ def gemm_model(a_shape, b: np.ndarray, c: np.ndarray | None, c_is_input=False, *
     return make_model([node], inputs, [vinfo("y", dtype, [rows, nout])], inits)
 
 
+
+
+def assert_matches_reference(y: np.ndarray, x: np.ndarray, w: np.ndarray, dtype) -> None:
+    """The op's output y against the float64 x @ w, within the dtype's rounding bound."""
+    from nmcli.reference import dense_reference, error_ratio
+
+    ref, magnitude = dense_reference(x, w)
+    assert error_ratio(y, ref, magnitude, dtype, x.shape[-1]) < 1

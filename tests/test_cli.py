@@ -59,7 +59,7 @@ def test_prune_writes_model_and_report(tmp_path, model_file):
     assert "q_proj" in result.stdout and "wrote" in result.stdout
     assert digest(model_file) == before
     pruned = onnx.load(str(tmp_path / "out.onnx"))
-    assert sum(n.op_type == "NMMatMul" for n in pruned.graph.node) == 6
+    assert sum(n.op_type == "NMMatMul" for n in pruned.graph.node) == 4  # q/k/v fused into one op
     assert sorted(p.name for p in tmp_path.iterdir()) == ["block.onnx", "out.onnx"]  # no temp files left
 
 

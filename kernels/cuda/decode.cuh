@@ -248,7 +248,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
   // walks the same steps), multiplies, and finishes the row after its last step.
   auto process = [&](const uint4 (&vals)[U], const Off (&offs)[U], Step s, Step next) {
     if (s.vb == v_begin(s.g0) && (!staged || !single_chunk)) {
-      if (staged) __syncthreads();  // every warp is done with the previous chunk
+      if (staged) {
+        __syncthreads();  // every warp is done with the previous chunk
+      } else {
+        // The weights are constants, so the first two steps' loads were issued before this
+        // point; the activations (and every write) wait for the kernel that produced them.
+        wait_for_previous_kernel();
+        allow_next_kernel();
+      }
       stage_activations<T, S, R>(p, xs, static_cast<int64_t>(s.g0) * m);
       __syncthreads();
       staged = true;
@@ -317,8 +324,19 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
   const int64_t slots = static_cast<int64_t>(resident_blocks<T, R, kN, kM>(smem)) * multiprocessor_count();
   const int64_t tiles_per_block = (tiles + slots - 1) / slots;
   const unsigned blocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
-  decode_kernel<T, R, kN, kM><<<blocks, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  // Programmatic dependent launch: the grid may start while the previous kernel drains, so its
+  // launch and first weight loads overlap that kernel's tail (decode calls are a few us long).
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = pdl;
+  config.numAttrs = use_pdl() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, decode_kernel<T, R, kN, kM>, p);
 }
 
 // The families compiled with constant N:M (the ones users prune to); others run generic.

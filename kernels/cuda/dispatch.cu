@@ -9,6 +9,7 @@
 // 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks); from
 // 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a
 // cluster keeps small row counts fast), else decode up to 16 rows and the tiled SIMT path above.
+#include <cstdlib>
 #include "kernels.cuh"
 #include "nm_matmul_cuda.h"
 
@@ -59,6 +60,19 @@ int multiprocessor_count() {
   if (counts[device] == 0 && cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return 132;
   return counts[device];
+}
+
+bool use_pdl() {
+  static const bool disabled = std::getenv("NMCLI_NO_PDL") != nullptr;
+  static int known[64] = {};  // 0 unknown, 1 yes, 2 no
+  int device = 0;
+  if (disabled || cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
+  if (known[device] == 0) {
+    int major = 0;
+    known[device] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    major >= 9 ? 1 : 2;
+  }
+  return known[device] == 1;
 }
 
 bool wgmma_supported(const CudaMatMul& call) {

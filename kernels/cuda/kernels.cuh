@@ -42,6 +42,10 @@ bool wgmma_device();              // the current device runs sm_90a code (comput
 // SMs of the current device (cached per device).
 int multiprocessor_count();
 
+// Whether to launch with programmatic dependent launch: the current device supports it
+// (compute capability 9.0+) and NMCLI_NO_PDL is unset (for A/B measurements).
+bool use_pdl();
+
 // Raises kKernel's dynamic shared-memory cap to `bytes` on the current device, once per device
 // (every launch of a kernel asks for the same cap).
 template <auto kKernel>
