@@ -34,8 +34,6 @@ def _channel_norms(model, chosen, calibration) -> dict:
     """||X_k|| per pruned weight; a weight shared by several nodes sees all their inputs."""
     from .calibrate import activation_of, channel_sq_sums
 
-    if not calibration:
-        raise NmcliError("this pruning method needs calibration inputs")
     sums = channel_sq_sums(model, dict(activation_of(c) for c in chosen), calibration)
     norms = {}
     for cand in chosen:
@@ -133,10 +131,11 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     graph = out.graph
     taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
 
-    # SparseGPT reads the grams; it needs the norms only to rank channel orders.
-    needs_norms = getattr(criterion, "needs_calibration", False) and (permute or not getattr(criterion, "needs_gram", False))
-    if getattr(criterion, "needs_calibration", False) and not calibration:
+    calibrated, needs_gram = getattr(criterion, "needs_calibration", False), getattr(criterion, "needs_gram", False)
+    if calibrated and not calibration:
         raise NmcliError("this pruning method needs calibration inputs")
+    # SparseGPT reads the grams; it needs the norms only to rank channel orders.
+    needs_norms = calibrated and (permute or not needs_gram)
     norms = _channel_norms(model, chosen, calibration) if needs_norms else {}
     first_node = {c.weight_key: c for c in reversed(chosen)}  # first node of each weight wins
 
@@ -151,8 +150,7 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
         raise ModelError("--permute needs opset 11 or later (it adds Gather nodes with axis=-1); "
                          f"the model uses opset {_default_opset(out)}")
     orders = _channel_orders(chosen, score_of, selection.pattern, graph, taken) if permute else {}
-    solved = (_compensated(model, chosen, calibration, selection.pattern, orders)
-              if getattr(criterion, "needs_gram", False) else {})
+    solved = _compensated(model, chosen, calibration, selection.pattern, orders) if needs_gram else {}
     pruned: dict[tuple[str, bool], PrunedWeight] = {}
     for cand in chosen:
         key = cand.weight_key
