@@ -84,6 +84,10 @@ def stored_weights(model: onnx.ModelProto):
 
     inits = {t.name: t for t in model.graph.initializer}
     producers = {out: node for node in model.graph.node for out in node.output}
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
     for node in model.graph.node:
         if node.domain != OP_DOMAIN or node.op_type != OP_TYPE:
             continue
@@ -100,7 +104,7 @@ def stored_weights(model: onnx.ModelProto):
             original = np.zeros_like(weight)
             original[perm] = weight  # packed row r is original channel perm[r]
             weight = original
-        parts = _split_parts(node.output[0], model, inits)
+        parts = _split_parts(readers.get(node.output[0], []), inits)
         if parts is None or sum(size for _, size in parts) != weight.shape[1]:
             yield node.name or node.output[0], weight, pattern, perm is not None
             continue
@@ -110,9 +114,8 @@ def stored_weights(model: onnx.ModelProto):
             start += size
 
 
-def _split_parts(tensor: str, model: onnx.ModelProto, inits) -> list[tuple[str, int]] | None:
-    """(output, width) of the Split along the last axis that is the only reader of `tensor`."""
-    readers = [n for n in model.graph.node if tensor in n.input]
+def _split_parts(readers: list, inits) -> list[tuple[str, int]] | None:
+    """(output, width) of the Split along the last axis when it is a tensor's only reader."""
     if len(readers) != 1 or readers[0].op_type != "Split" or _attr(readers[0], "axis", 0) != -1:
         return None
     split = readers[0]

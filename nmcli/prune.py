@@ -45,22 +45,20 @@ def _channel_norms(model, chosen, calibration) -> dict:
     return {key: np.sqrt(value) for key, value in norms.items()}
 
 
-def _compensated(model, chosen, calibration, pattern, orders) -> dict:
+def _compensated(model, chosen, first_node, calibration, pattern, orders) -> dict:
     """weight key -> (packed, rel. error) pruned by SparseGPT (obs.py) on the gram of the
     activations it multiplies, in the channel order chosen for the weight. Grams come a few at
     a time (calibrate.gram_passes) and each weight is solved as soon as its grams are in."""
     from .calibrate import activation_of, gram_passes
 
     keys_of: dict[str, list] = {}          # activation -> weights it feeds
-    first = {}
     for cand in chosen:
         keys = keys_of.setdefault(activation_of(cand)[0], [])
         if cand.weight_key not in keys:
             keys.append(cand.weight_key)
-        first.setdefault(cand.weight_key, cand)
-    pending = {key: sum(key in keys for keys in keys_of.values()) for key in first}
-    axes = {name: activation_of(first[keys[0]])[1] for name, keys in keys_of.items()}
-    channels = {name: first[keys[0]].weight.shape[0] for name, keys in keys_of.items()}
+    pending = {key: sum(key in keys for keys in keys_of.values()) for key in first_node}
+    axes = {name: activation_of(first_node[keys[0]])[1] for name, keys in keys_of.items()}
+    channels = {name: first_node[keys[0]].weight.shape[0] for name, keys in keys_of.items()}
     sums: dict = {}
     solved = {}
     for grams in gram_passes(model, axes, channels, calibration):
@@ -69,7 +67,7 @@ def _compensated(model, chosen, calibration, pattern, orders) -> dict:
                 sums[key] = sums.get(key, 0) + gram
                 pending[key] -= 1
                 if pending[key] == 0:
-                    solved[key] = _solve(first[key].weight, sums.pop(key), pattern, orders.get(key))
+                    solved[key] = _solve(first_node[key].weight, sums.pop(key), pattern, orders.get(key))
     return solved
 
 
@@ -150,7 +148,7 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
         raise ModelError("--permute needs opset 11 or later (it adds Gather nodes with axis=-1); "
                          f"the model uses opset {_default_opset(out)}")
     orders = _channel_orders(chosen, score_of, selection.pattern, graph, taken) if permute else {}
-    solved = _compensated(model, chosen, calibration, selection.pattern, orders) if needs_gram else {}
+    solved = _compensated(model, chosen, first_node, calibration, selection.pattern, orders) if needs_gram else {}
     pruned: dict[tuple[str, bool], PrunedWeight] = {}
     for cand in chosen:
         key = cand.weight_key

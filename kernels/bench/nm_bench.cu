@@ -354,13 +354,8 @@ Options parse(int argc, char** argv) {
       else if (d == "f32" || d == "float32") opt.dtype = DType::f32;
       else throw std::invalid_argument("--dtype must be f16, bf16 or f32");
     } else if (a == "--path") {
-      const std::string p = value();
-      if (p == "auto") opt.path = CudaPath::automatic;
-      else if (p == "decode") opt.path = CudaPath::decode;
-      else if (p == "mma") opt.path = CudaPath::mma;
-      else if (p == "wgmma") opt.path = CudaPath::wgmma;
-      else if (p == "tiled") opt.path = CudaPath::tiled;
-      else throw std::invalid_argument("--path must be auto, decode, mma, wgmma or tiled");
+      if (!path_from_name(value().c_str(), &opt.path))
+        throw std::invalid_argument("--path must be auto, decode, mma, wgmma or tiled");
     } else if (a == "--replays") {
       opt.replays = std::max(3, std::stoi(value()));
     } else if (a == "--json") {

@@ -21,10 +21,10 @@ DType parse_dtype(const std::string& dtype) {
   throw std::invalid_argument("dtype must be float32, float16 or bfloat16");
 }
 
-CudaPath parse_path(const std::string& path) {
-  for (CudaPath p : {CudaPath::automatic, CudaPath::decode, CudaPath::tiled, CudaPath::mma, CudaPath::wgmma})
-    if (path == path_name(p)) return p;
-  throw std::invalid_argument("path must be auto, decode, tiled, mma or wgmma");
+CudaPath parse_path(const std::string& name) {
+  CudaPath path;
+  if (!path_from_name(name.c_str(), &path)) throw std::invalid_argument("path must be auto, decode, tiled, mma or wgmma");
+  return path;
 }
 
 }  // namespace

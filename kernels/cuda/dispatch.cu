@@ -10,6 +10,7 @@
 // 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a
 // cluster keeps small row counts fast), else decode up to 16 rows and the tiled SIMT path above.
 #include <cstdlib>
+#include <cstring>
 #include "kernels.cuh"
 #include "nm_matmul_cuda.h"
 
@@ -62,17 +63,23 @@ int multiprocessor_count() {
   return counts[device];
 }
 
+int compute_capability() {
+  static int known[64] = {};  // major * 10 + minor; 0 = not read yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  if (known[device] == 0) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+      return 0;
+    known[device] = major * 10 + minor;
+  }
+  return known[device];
+}
+
 bool use_pdl() {
   static const bool disabled = std::getenv("NMCLI_NO_PDL") != nullptr;
-  static int known[64] = {};  // 0 unknown, 1 yes, 2 no
-  int device = 0;
-  if (disabled || cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
-  if (known[device] == 0) {
-    int major = 0;
-    known[device] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                    major >= 9 ? 1 : 2;
-  }
-  return known[device] == 1;
+  return !disabled && compute_capability() >= 90;
 }
 
 bool wgmma_supported(const CudaMatMul& call) {
@@ -114,6 +121,16 @@ const char* path_name(CudaPath path) {
     case CudaPath::wgmma: return "wgmma";
     default: return "auto";
   }
+}
+
+bool path_from_name(const char* name, CudaPath* path) {
+  for (CudaPath p : {CudaPath::automatic, CudaPath::decode, CudaPath::tiled, CudaPath::mma, CudaPath::wgmma}) {
+    if (std::strcmp(name, path_name(p)) == 0) {
+      *path = p;
+      return true;
+    }
+  }
+  return false;
 }
 
 int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {

@@ -42,6 +42,9 @@ bool wgmma_device();              // the current device runs sm_90a code (comput
 // SMs of the current device (cached per device).
 int multiprocessor_count();
 
+// Compute capability of the current device as major * 10 + minor (cached per device; 0 if unknown).
+int compute_capability();
+
 // Whether to launch with programmatic dependent launch: the current device supports it
 // (compute capability 9.0+) and NMCLI_NO_PDL is unset (for A/B measurements).
 bool use_pdl();

@@ -29,6 +29,8 @@ CudaPath choose_path(const CudaMatMul& call);
 // wgmma: fp16/bf16 on compute capability 9.0, K % 8 == 0, the families wgmma.cu compiles).
 bool path_supported(const CudaMatMul& call, CudaPath path);
 const char* path_name(CudaPath path);
+// The path `path_name` spells as `name`; false when there is none.
+bool path_from_name(const char* name, CudaPath* path);
 
 // Returns a cudaError_t as int (0 = success) so callers need no CUDA headers.
 int nm_matmul_cuda(const CudaMatMul& call, void* stream, CudaPath path = CudaPath::automatic);

@@ -366,28 +366,13 @@ auto with_family(int n, int m, Fn&& fn) {
   }
 }
 
-bool is_sm90(int device) {
-  static int known[64] = {};  // 0 unknown, 1 yes, 2 no
-  if (device < 0 || device >= 64) return false;
-  if (known[device] == 0) {
-    int major = 0, minor = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
-    known[device] = ok && major == 9 && minor == 0 ? 1 : 2;
-  }
-  return known[device] == 1;
-}
-
 }  // namespace
 
 bool wgmma_family(int n, int m) {
   return with_family(n, m, [](auto kN, auto) { return kN() != 0; });
 }
 
-bool wgmma_device() {
-  int device = 0;
-  return cudaGetDevice(&device) == cudaSuccess && is_sm90(device);
-}
+bool wgmma_device() { return compute_capability() == 90; }
 
 template <typename T>
 cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
