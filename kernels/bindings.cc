@@ -48,7 +48,7 @@ py::array run_cpu(const py::array& x, const py::array& values, const py::array& 
   args.values = static_cast<const T*>(va.data());
   args.indices = static_cast<const uint32_t*>(ia.data());
   args.bias = has_bias ? static_cast<const T*>(ba.data()) : nullptr;
-  args.y = static_cast<T*>(y.mutable_data());
+  args.y = OutputParts<T>::single(static_cast<T*>(y.mutable_data()), shape.nout);
   args.rows = k ? xa.size() / k : 0;
   args.alpha = alpha;
   args.shape = shape;

@@ -69,8 +69,8 @@ EXCLUDE_HELP = "Skip layers whose node or weight name matches this regex (repeat
 MIN_SIZE_HELP = "Skip weights with fewer elements than this."
 PERMUTE_HELP = ("Reorder input channels before N:M grouping where it keeps more of the criterion score "
                 "(one Gather of the activation per call; outputs equal the dense model with the same weights).")
-FUSE_HELP = ("Merge MatMuls that read the same activation (Q/K/V, gate/up) into one op plus a Split: "
-             "fewer, wider kernel calls.")
+FUSE_HELP = ("Merge MatMuls that read the same activation (Q/K/V, gate/up) into one op that writes each "
+             "original output: fewer, wider kernel calls.")
 
 
 @app.command()

@@ -84,10 +84,6 @@ def stored_weights(model: onnx.ModelProto):
 
     inits = {t.name: t for t in model.graph.initializer}
     producers = {out: node for node in model.graph.node for out in node.output}
-    readers: dict[str, list] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
     for node in model.graph.node:
         if node.domain != OP_DOMAIN or node.op_type != OP_TYPE:
             continue
@@ -104,26 +100,17 @@ def stored_weights(model: onnx.ModelProto):
             original = np.zeros_like(weight)
             original[perm] = weight  # packed row r is original channel perm[r]
             weight = original
-        parts = _split_parts(readers.get(node.output[0], []), inits)
-        if parts is None or sum(size for _, size in parts) != weight.shape[1]:
+        sizes = list(_attr(node, "splits", []))
+        if len(sizes) < 2:
             yield node.name or node.output[0], weight, pattern, perm is not None
             continue
+        if len(sizes) != len(node.output) or sum(sizes) != weight.shape[1]:
+            raise ModelError(f"{node.name}: splits {sizes} do not match its {len(node.output)} outputs "
+                             f"and {weight.shape[1]} columns")
         start = 0
-        for output, size in parts:  # fused siblings (prune_model fuse=True): one entry per original output
+        for output, size in zip(node.output, sizes):  # fused siblings: one entry per original output
             yield output, weight[:, start:start + size], pattern, perm is not None
             start += size
-
-
-def _split_parts(readers: list, inits) -> list[tuple[str, int]] | None:
-    """(output, width) of the Split along the last axis when it is a tensor's only reader."""
-    if len(readers) != 1 or readers[0].op_type != "Split" or _attr(readers[0], "axis", 0) != -1:
-        return None
-    split = readers[0]
-    if len(split.input) > 1 and split.input[1] in inits:
-        sizes = numpy_helper.to_array(inits[split.input[1]]).tolist()
-    else:
-        sizes = list(_attr(split, "split", []))
-    return list(zip(split.output, sizes)) if len(sizes) == len(split.output) else None
 
 
 def _channel_order(producer, inits) -> np.ndarray | None:

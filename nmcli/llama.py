@@ -56,6 +56,7 @@ def llama_model(config: LlamaConfig, rng: np.random.Generator) -> onnx.ModelProt
     n = helper.make_node
     inits = [
         numpy_helper.from_array(np.array(1e-5, dtype), "eps"),
+        numpy_helper.from_array(np.array(2.0, dtype), "two"),
         numpy_helper.from_array(np.array(1.0 / np.sqrt(head_dim), dtype), "attn_scale"),
         numpy_helper.from_array(np.array([-1], np.int64), "last_axis"),
         numpy_helper.from_array(np.array([0, 0, c.heads, head_dim], np.int64), "split_heads"),
@@ -69,10 +70,12 @@ def llama_model(config: LlamaConfig, rng: np.random.Generator) -> onnx.ModelProt
         return name
 
     def rms_norm(x, prefix):
+        # The form PyTorch exports (pow, mean, add, sqrt, div, mul), which ONNX Runtime fuses into
+        # one SimplifiedLayerNormalization kernel, as it does for exported LLaMA models.
         gamma = (1 + 0.1 * rng.standard_normal(c.hidden)).astype(dtype)
         inits.append(numpy_helper.from_array(gamma, f"{prefix}.weight"))
         nodes.extend([
-            n("Mul", [x, x], [f"{prefix}.sq"], name=f"{prefix}.sq"),
+            n("Pow", [x, "two"], [f"{prefix}.sq"], name=f"{prefix}.sq"),
             n("ReduceMean", [f"{prefix}.sq", "last_axis"], [f"{prefix}.ms"], keepdims=1, name=f"{prefix}.mean"),
             n("Add", [f"{prefix}.ms", "eps"], [f"{prefix}.ms_eps"], name=f"{prefix}.eps"),
             n("Sqrt", [f"{prefix}.ms_eps"], [f"{prefix}.rms"], name=f"{prefix}.sqrt"),

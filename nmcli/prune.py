@@ -17,6 +17,7 @@ from .report import LayerReport, PruneReport, SkipReport
 OP_DOMAIN = "nmcli"
 OP_TYPE = "NMMatMul"
 OP_VERSION = 1
+MAX_OUTPUTS = 8  # outputs of one fused op: kMaxOutputParts in kernels/output_parts.h
 
 
 @dataclass
@@ -114,7 +115,7 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     `calibration`: input feeds (one dict per sample) for activation-aware criteria.
     `permute`: reorder input channels before grouping where that keeps more of the criterion
     score (permute.py); the pruned node then reads its activation through a Gather.
-    `fuse`: MatMuls that read the same activation become one op and a Split (_sibling_groups)."""
+    `fuse`: MatMuls that read the same activation become one op with one output each (_sibling_groups)."""
     criterion = criterion or get_criterion(method)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -180,8 +181,7 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
         if group is None:
             replacements[id(cand.node)] = _rewrite_node(cand, pruned[cand.weight_key], graph, taken, gathers)
         elif cand is group[0]:
-            replacements.update(_fuse(group, [pruned[c.weight_key] for c in group], graph, taken, gathers,
-                                      _default_opset(out)))
+            replacements.update(_fuse(group, [pruned[c.weight_key] for c in group], graph, taken, gathers))
     new_nodes = []
     for node in graph.node:
         new_nodes.extend(replacements.get(id(node), [node]))
@@ -281,21 +281,24 @@ def _sibling_groups(chosen: list[Candidate], pruned: dict, sharing: dict) -> lis
 
     One op over the concatenated weight replaces them: at decode sizes each call pays a fixed
     start and drain cost, and a wider weight keeps more of the GPU busy. Only plain MatMuls
-    whose weight no other node uses are fused (their packed rows are concatenated as is)."""
+    whose weight no other node uses are fused (their packed rows are concatenated as is), at
+    most MAX_OUTPUTS to an op."""
     groups: dict[tuple, list[Candidate]] = {}
     for cand in chosen:
         entry = pruned[cand.weight_key]
         if cand.node.op_type == "MatMul" and sharing[cand.weight_key] == 1:
             key = (cand.node.input[0], entry.perm_name, entry.packed.shape.k, entry.packed.values.dtype.str)
             groups.setdefault(key, []).append(cand)
-    return [group for group in groups.values() if len(group) > 1]
+    chunks = [group[i:i + MAX_OUTPUTS] for group in groups.values() for i in range(0, len(group), MAX_OUTPUTS)]
+    return [chunk for chunk in chunks if len(chunk) > 1]
 
 
 def _fuse(group: list[Candidate], entries: list[PrunedWeight], graph: onnx.GraphProto, taken: set[str],
-          gathers: dict, opset: int) -> dict[int, list[onnx.NodeProto]]:
+          gathers: dict) -> dict[int, list[onnx.NodeProto]]:
     """Node replacements for one sibling group: the first node becomes one op on the
-    concatenated weight followed by a Split that restores every original output; the others
-    go. The packed format stores one row per output column, so concatenating rows is exact."""
+    concatenated weight that writes every original output itself (attribute `splits`: the
+    columns of each), the others go. The packed format stores one row per output column, so
+    concatenating rows is exact, and no Split has to copy the parts apart afterwards."""
     shape = entries[0].packed.shape
     sizes = [e.packed.shape.nout for e in entries]
     values = np.concatenate([e.packed.values for e in entries])
@@ -306,19 +309,11 @@ def _fuse(group: list[Candidate], entries: list[PrunedWeight], graph: onnx.Graph
                               numpy_helper.from_array(indices, indices_name)])
     pre = []
     activation = _in_channel_order(group[0].node.input[0], entries[0].perm_name, taken, gathers, pre)
-    fused_out = _unique(group[0].node.output[0] + ".nm_fused", taken)
-    name = "+".join(c.name for c in group)
-    core = helper.make_node(OP_TYPE, [activation, values_name, indices_name], [fused_out], name=name,
-                            domain=OP_DOMAIN, n=shape.pattern.n, m=shape.pattern.m, k=shape.k)
-    outputs = [c.node.output[0] for c in group]
-    if opset >= 13:
-        split_name = _unique(base + "_split", taken)
-        graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), split_name))
-        split = helper.make_node("Split", [fused_out, split_name], outputs, name=name + ".nm_split", axis=-1)
-    else:
-        split = helper.make_node("Split", [fused_out], outputs, name=name + ".nm_split", axis=-1, split=sizes)
+    core = helper.make_node(OP_TYPE, [activation, values_name, indices_name], [c.node.output[0] for c in group],
+                            name="+".join(c.name for c in group), domain=OP_DOMAIN, n=shape.pattern.n,
+                            m=shape.pattern.m, k=shape.k, splits=sizes)
     replaced = {id(c.node): [] for c in group[1:]}
-    replaced[id(group[0].node)] = pre + [core, split]
+    replaced[id(group[0].node)] = pre + [core]
     return replaced
 
 

@@ -30,6 +30,18 @@ NMMatMulAttrs NMMatMulAttrs::read(const OrtKernelInfo* info) {
   a.k = ki.GetAttribute<int64_t>("k");
   float alpha = 1.0f;
   if (Ort::GetApi().KernelInfoGetAttribute_float(info, "alpha", &alpha) == nullptr) a.alpha = alpha;
+  size_t count = 0;
+  const OrtApi& api = Ort::GetApi();
+  if (OrtStatus* absent = api.KernelInfoGetAttributeArray_int64(info, "splits", nullptr, &count)) {
+    api.ReleaseStatus(absent);  // no splits: one output
+  } else if (count > 0) {
+    a.splits.resize(count);
+    Ort::ThrowOnError(api.KernelInfoGetAttributeArray_int64(info, "splits", a.splits.data(), &count));
+  }
+  if (a.splits.size() > static_cast<size_t>(kMaxOutputParts))
+    fail("at most " + std::to_string(kMaxOutputParts) + " splits, got " + std::to_string(a.splits.size()));
+  for (int64_t w : a.splits)
+    if (w < 1) fail("splits must be positive, got " + dims_str(a.splits));
   if (!valid_pattern(a.n, a.m)) fail("invalid n:m attributes " + std::to_string(a.n) + ":" + std::to_string(a.m));
   if (a.k < 1) fail("attribute k must be positive");
   return a;
@@ -57,13 +69,48 @@ NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& a
   }
   call.rows = 1;
   for (size_t i = 0; i + 1 < x_dims.size(); ++i) call.rows *= x_dims[i];
-  call.out_dims.assign(x_dims.begin(), x_dims.end() - 1);
-  call.out_dims.push_back(v_dims[0]);
+  call.leading.assign(x_dims.begin(), x_dims.end() - 1);
+  call.widths = attrs.splits.empty() ? std::vector<int64_t>{v_dims[0]} : attrs.splits;
+  int64_t total = 0;
+  for (int64_t w : call.widths) total += w;
+  if (total != v_dims[0]) fail("splits " + dims_str(attrs.splits) + " must add up to Nout=" + std::to_string(v_dims[0]));
+  if (ctx.GetOutputCount() != call.widths.size())
+    fail("the node has " + std::to_string(ctx.GetOutputCount()) + " outputs, expected " + std::to_string(call.widths.size()));
   return call;
+}
+
+OutputParts<void> NMMatMulCall::outputs(Ort::KernelContext& ctx) const {
+  OutputParts<void> parts;
+  int64_t end = 0;
+  for (size_t i = 0; i < widths.size(); ++i) {
+    std::vector<int64_t> dims = leading;
+    dims.push_back(widths[i]);
+    parts.base[i] = ctx.GetOutput(i, dims).GetTensorMutableRawData();
+    end += widths[i];
+    parts.end[i] = end;
+  }
+  parts.count = static_cast<int>(widths.size());
+  return parts;
 }
 
 namespace {
 std::atomic<unsigned long long> g_unknown_dims{0};
+
+// The node's splits attribute at shape inference (empty when it has none).
+std::vector<int64_t> splits_at_inference(OrtShapeInferContext* ctx) {
+  const OrtApi& api = Ort::GetApi();
+  const OrtOpAttr* attr = nullptr;
+  if (OrtStatus* absent = api.ShapeInferContext_GetAttribute(ctx, "splits", &attr)) {
+    api.ReleaseStatus(absent);
+    return {};
+  }
+  if (attr == nullptr) return {};
+  size_t bytes = 0;
+  if (OrtStatus* sized = api.ReadOpAttr(attr, ORT_OP_ATTR_INTS, nullptr, 0, &bytes)) api.ReleaseStatus(sized);
+  std::vector<int64_t> splits(bytes / sizeof(int64_t));
+  if (!splits.empty()) Ort::ThrowOnError(api.ReadOpAttr(attr, ORT_OP_ATTR_INTS, splits.data(), bytes, &bytes));
+  return splits;
+}
 }  // namespace
 
 OrtStatusPtr infer_output_shape(OrtShapeInferContext* ctx) {
@@ -100,9 +147,21 @@ OrtStatusPtr infer_output_shape(OrtShapeInferContext* ctx) {
           syms[i] = fresh[i].c_str();
         }
       }
-      if (!status && step(api.CreateTensorTypeAndShapeInfo(&out)) && step(api.SetTensorElementType(out, type)) &&
-          step(api.SetDimensions(out, dims.data(), x_rank)) && step(api.SetSymbolicDimensions(out, syms.data(), x_rank)))
-        step(api.ShapeInferContext_SetOutputTypeShape(ctx, 0, out));
+      // One output of values' first dim, or one per split (whose widths are known).
+      std::vector<int64_t> widths;
+      try {
+        widths = splits_at_inference(ctx);
+      } catch (const Ort::Exception& e) {
+        step(api.CreateStatus(e.GetOrtErrorCode(), e.what()));
+      }
+      if (widths.empty()) widths.push_back(vdims[0]);
+      if (!status && step(api.CreateTensorTypeAndShapeInfo(&out))) step(api.SetTensorElementType(out, type));
+      for (size_t i = 0; i < widths.size() && !status; ++i) {
+        dims.back() = widths[i];
+        if (widths.size() > 1) syms.back() = "";
+        if (step(api.SetDimensions(out, dims.data(), x_rank)) && step(api.SetSymbolicDimensions(out, syms.data(), x_rank)))
+          step(api.ShapeInferContext_SetOutputTypeShape(ctx, i, out));
+      }
     }
   }
   if (out) api.ReleaseTensorTypeAndShapeInfo(out);

@@ -3,6 +3,9 @@
 //
 //   Y = NMMatMul(X, values, indices[, bias]; n, m, k, alpha)
 //   X [..., K] T, values [Nout, S] T, indices [Nout, S*B/32] uint32, bias [Nout] T -> Y [..., Nout] T
+// With the optional attribute splits = [w_0, ..., w_p-1] (sum Nout, at most kMaxOutputParts) the
+// op has p outputs Y_i [..., w_i]: consecutive column ranges of Y (a fused sibling group, so no
+// Split has to copy them apart).
 #pragma once
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "../kernels/nm_format.h"
+#include "../kernels/output_parts.h"
 
 namespace nmcli {
 
@@ -22,6 +26,7 @@ struct NMMatMulAttrs {
   int n = 0, m = 0;
   int64_t k = 0;
   float alpha = 1.0f;
+  std::vector<int64_t> splits;  // empty: one output
   static NMMatMulAttrs read(const OrtKernelInfo* info);
 };
 
@@ -29,13 +34,16 @@ struct NMMatMulAttrs {
 struct NMMatMulCall {
   NMShape shape;
   int64_t rows = 0;                 // product of X's leading dims
-  std::vector<int64_t> out_dims;    // X's leading dims + [Nout]
+  std::vector<int64_t> leading;     // X's leading dims
+  std::vector<int64_t> widths;      // columns of each output ({Nout}, or the splits)
   bool has_bias = false;
   static NMMatMulCall check(Ort::KernelContext& ctx, const NMMatMulAttrs& attrs);
+  // Allocates the outputs through ORT: output i is [leading..., widths[i]].
+  OutputParts<void> outputs(Ort::KernelContext& ctx) const;
 };
 
-// Shape inference shared by every kernel of the op: Y keeps X's leading dims (symbolic ones
-// too) and element type, and gets values' first dim as its last.
+// Shape inference shared by every kernel of the op: each output keeps X's leading dims
+// (symbolic ones too) and element type, and gets values' first dim (or its split) as its last.
 OrtStatusPtr infer_output_shape(OrtShapeInferContext* ctx);
 
 // Run `body`, turning any exception into an ORT status (exceptions must not cross the C API).
@@ -65,6 +73,10 @@ struct NMMatMulOpBase : Ort::CustomOpBase<TOp, TKernel, true> {
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return TOp::kElementType; }
+  // One output, or one per split (attribute splits); all of the input's type.
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t) const { return INPUT_OUTPUT_VARIADIC; }
+  int GetVariadicOutputMinArity() const { return 1; }
+  bool GetVariadicOutputHomogeneity() const { return true; }
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
     return guarded([&] { *kernel = new TKernel(NMMatMulAttrs::read(info)); });
   }

@@ -18,14 +18,14 @@ struct CpuKernel {
     return guarded([&] {
       Ort::KernelContext ctx(context);
       const NMMatMulCall call = NMMatMulCall::check(ctx, attrs_);
-      auto y = ctx.GetOutput(0, call.out_dims);
+      const OutputParts<void> y = call.outputs(ctx);
       if (call.rows == 0 || call.shape.nout == 0) return;
       NMMatMulArgs<T> args;
       args.x = reinterpret_cast<const T*>(ctx.GetInput(0).GetTensorData<OrtT>());
       args.values = reinterpret_cast<const T*>(ctx.GetInput(1).GetTensorData<OrtT>());
       args.indices = ctx.GetInput(2).GetTensorData<uint32_t>();
       args.bias = call.has_bias ? reinterpret_cast<const T*>(ctx.GetInput(3).GetTensorData<OrtT>()) : nullptr;
-      args.y = reinterpret_cast<T*>(y.GetTensorMutableData<OrtT>());
+      args.y = y.as<T>();
       args.rows = call.rows;
       args.alpha = attrs_.alpha;
       args.shape = call.shape;

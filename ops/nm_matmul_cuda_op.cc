@@ -18,14 +18,13 @@ struct CudaKernel {
     return guarded([&] {
       Ort::KernelContext ctx(context);
       const NMMatMulCall call = NMMatMulCall::check(ctx, attrs_);
-      auto y = ctx.GetOutput(0, call.out_dims);
       CudaMatMul m;
       m.dtype = dtype_;
       m.x = ctx.GetInput(0).GetTensorRawData();
       m.values = ctx.GetInput(1).GetTensorRawData();
       m.indices = ctx.GetInput(2).GetTensorData<uint32_t>();
       m.bias = call.has_bias ? ctx.GetInput(3).GetTensorRawData() : nullptr;
-      m.y = y.GetTensorMutableRawData();
+      m.y = call.outputs(ctx);
       m.rows = call.rows;
       m.alpha = attrs_.alpha;
       m.shape = call.shape;

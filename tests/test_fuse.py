@@ -1,6 +1,6 @@
 """Sibling fusion: MatMuls that read one activation become one op on the concatenated packed
-weight plus a Split; every original output equals the float64 reference of its own pruned
-weight, and nmcli eval still reports each original layer."""
+weight that writes every original output itself (attribute splits); each output equals the
+float64 reference of its own pruned weight, and nmcli eval still reports each original layer."""
 import numpy as np
 import onnx
 import pytest
@@ -42,13 +42,15 @@ def test_fused_outputs_match_each_pruned_weight(rng, dtype, nm, k, opset):
     dense = siblings_model(rng, k, [40, 8, 17], dtype, opset)
     pruned, report = prune_model(dense, Selection(NMPattern.parse(nm)))
     ops = [n for n in pruned.graph.node if n.op_type == "NMMatMul"]
-    splits = [n for n in pruned.graph.node if n.op_type == "Split"]
-    assert len(ops) == 2 and len(splits) == 1 and list(splits[0].output) == ["y0", "y1", "y2"]
+    assert len(ops) == 2 and list(ops[0].output) == ["y0", "y1", "y2"] and not any(
+        n.op_type == "Split" for n in pruned.graph.node)
+    assert list(next(a for a in ops[0].attribute if a.name == "splits").ints) == [40, 8, 17]
     assert [layer.node for layer in report.layers] == ["p0", "p1", "p2", "other"]
     weights = pruned_weights(pruned, dense)
     feeds = {name: rng.standard_normal((2, 3, k)).astype(dtype) for name in ("x", "z")}
     got = dict(zip([o.name for o in pruned.graph.output], nmcli.session(pruned).run(None, feeds)))
-    for i, node in enumerate(["p0", "p1", "p2"]):
+    for i, (node, width) in enumerate(zip(["p0", "p1", "p2"], [40, 8, 17])):
+        assert got[f"y{i}"].shape == (2, 3, width)
         assert_matches_reference(got[f"y{i}"], feeds["x"], weights[node], dtype)
     assert_matches_reference(got["yz"], feeds["z"], weights["other"], dtype)
     unfused, _ = prune_model(dense, Selection(NMPattern.parse(nm)), fuse=False)
@@ -86,8 +88,46 @@ def test_shared_weights_and_gemms_are_not_fused(rng):
                        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w + 1, "V"),
                         numpy_helper.from_array(w - 1, "U")])
     pruned, _ = prune_model(model, Selection(NMPattern(2, 4)))
-    assert not any(n.op_type == "Split" for n in pruned.graph.node)
-    assert sum(n.op_type == "NMMatMul" for n in pruned.graph.node) == 4
+    ops = [n for n in pruned.graph.node if n.op_type == "NMMatMul"]
+    assert len(ops) == 4 and all(len(n.output) == 1 for n in ops)
+
+
+def test_more_siblings_than_one_op_writes(rng):
+    """Ten siblings: one op writes at most MAX_OUTPUTS (the kernels' kMaxOutputParts) outputs."""
+    import re
+    from pathlib import Path
+
+    from nmcli.prune import MAX_OUTPUTS
+    header = (Path(__file__).parents[1] / "kernels" / "output_parts.h").read_text()
+    assert int(re.search(r"kMaxOutputParts = (\d+);", header).group(1)) == MAX_OUTPUTS
+    k, widths = 24, [3 + i for i in range(10)]
+    dense = siblings_model(rng, k, widths, np.float32)
+    pruned, _ = prune_model(dense, Selection(NMPattern(1, 4)))
+    ops = [n for n in pruned.graph.node if n.op_type == "NMMatMul"]
+    assert sorted(len(n.output) for n in ops) == [1, 2, MAX_OUTPUTS]
+    feeds = {name: rng.standard_normal((1, 2, k)).astype(np.float32) for name in ("x", "z")}
+    got = dict(zip([o.name for o in pruned.graph.output], nmcli.session(pruned).run(None, feeds)))
+    weights = pruned_weights(pruned, dense)
+    for i in range(10):
+        assert_matches_reference(got[f"y{i}"], feeds["x"], weights[f"p{i}"], np.float32)
+
+
+@pytest.mark.parametrize("splits,outputs,message", [([8, 9], 2, "must add up to Nout=16"),
+                                                    ([8, 8], 3, "the node has 3 outputs, expected 2"),
+                                                    ([16, 0], 2, "splits must be positive")])
+def test_bad_splits_are_refused(rng, splits, outputs, message):
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+    dense = siblings_model(rng, 16, [8, 8], np.float32)
+    pruned, _ = prune_model(dense, Selection(NMPattern(2, 4)))
+    node = next(n for n in pruned.graph.node if len(n.output) == 2)
+    for attr in node.attribute:
+        if attr.name == "splits":
+            attr.ints[:] = splits
+    if outputs == 3:
+        node.output.append("extra")
+    feeds = {name: rng.standard_normal((1, 2, 16)).astype(np.float32) for name in ("x", "z")}
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match=message):  # at load or at run
+        nmcli.session(pruned).run(None, feeds)
 
 
 def test_cli_no_fuse(tmp_path, rng):

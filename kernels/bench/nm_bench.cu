@@ -230,7 +230,7 @@ Row bench_one(cublasHandle_t handle, cudaStream_t stream, const cudaDeviceProp& 
     c.x = xs[i]->ptr;
     c.values = vs[i]->ptr;
     c.indices = static_cast<const uint32_t*>(is[i]->ptr);
-    c.y = ys[i]->ptr;
+    c.y = nmcli::OutputParts<void>::single(ys[i]->ptr, c.shape.nout);
     const int err = nmcli::nm_matmul_cuda(c, stream, path);
     if (err != 0) throw std::runtime_error(std::string("nm_matmul_cuda: ") + cudaGetErrorString(static_cast<cudaError_t>(err)));
   };

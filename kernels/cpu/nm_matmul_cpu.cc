@@ -43,6 +43,7 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
       if (k < K) { pos[live] = static_cast<int32_t>(k); val[live] = to_float(vrow[j]); ++live; }
     }
     const float bias = args_.bias ? to_float(args_.bias[col]) : 0.0f;
+    const OutputColumn<T> y = args_.y.column(col);
     // Four activation rows at a time share each decoded entry.
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {
@@ -56,17 +57,16 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
         const float v = val[j];
         a0 += v * x0[k]; a1 += v * x1[k]; a2 += v * x2[k]; a3 += v * x3[k];
       }
-      T* y = args_.y + r * s.nout + col;
-      y[0] = from_float<T>(args_.alpha * a0 + bias);
-      y[s.nout] = from_float<T>(args_.alpha * a1 + bias);
-      y[2 * s.nout] = from_float<T>(args_.alpha * a2 + bias);
-      y[3 * s.nout] = from_float<T>(args_.alpha * a3 + bias);
+      y[r] = from_float<T>(args_.alpha * a0 + bias);
+      y[r + 1] = from_float<T>(args_.alpha * a1 + bias);
+      y[r + 2] = from_float<T>(args_.alpha * a2 + bias);
+      y[r + 3] = from_float<T>(args_.alpha * a3 + bias);
     }
     for (; r < rows; ++r) {
       const float* x0 = x32_ + r * K;
       float a0 = 0;
       for (int64_t j = 0; j < live; ++j) a0 += val[j] * x0[pos[j]];
-      args_.y[r * s.nout + col] = from_float<T>(args_.alpha * a0 + bias);
+      y[r] = from_float<T>(args_.alpha * a0 + bias);
     }
   }
 }

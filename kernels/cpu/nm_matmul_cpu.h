@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "../nm_format.h"
+#include "../output_parts.h"
 #include "half.h"
 
 namespace nmcli {
@@ -13,7 +14,7 @@ struct NMMatMulArgs {
   const T* values = nullptr;      // [Nout, S]
   const uint32_t* indices = nullptr;  // [Nout, S*B/32]
   const T* bias = nullptr;        // [Nout] or null
-  T* y = nullptr;                 // [rows, Nout]
+  OutputParts<T> y;               // [rows, Nout], or column ranges into several tensors
   int64_t rows = 0;
   float alpha = 1.0f;
   NMShape shape;

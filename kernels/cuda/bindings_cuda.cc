@@ -1,9 +1,11 @@
 // CUDA half of nmcli._kernels: launches on caller-owned device buffers (e.g. torch or cupy
 // tensors' data pointers), so tests and benchmarks choose their own allocation and timing.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -21,6 +23,29 @@ DType parse_dtype(const std::string& dtype) {
   throw std::invalid_argument("dtype must be float32, float16 or bfloat16");
 }
 
+// y: one device pointer ([rows, Nout]), or a list of them with `splits` (columns of each part).
+OutputParts<void> parse_outputs(const py::object& y, const std::vector<int64_t>& splits, int64_t nout) {
+  if (py::isinstance<py::int_>(y)) {
+    if (!splits.empty()) throw std::invalid_argument("splits needs a list of output pointers");
+    return OutputParts<void>::single(reinterpret_cast<void*>(y.cast<uintptr_t>()), nout);
+  }
+  const auto pointers = y.cast<std::vector<uintptr_t>>();
+  if (pointers.empty() || pointers.size() != splits.size() || pointers.size() > static_cast<size_t>(kMaxOutputParts))
+    throw std::invalid_argument("y must be one pointer, or 1.." + std::to_string(kMaxOutputParts) +
+                                " pointers with as many splits");
+  OutputParts<void> parts;
+  int64_t end = 0;
+  for (size_t i = 0; i < pointers.size(); ++i) {
+    if (splits[i] < 1) throw std::invalid_argument("splits must be positive");
+    end += splits[i];
+    parts.base[i] = reinterpret_cast<void*>(pointers[i]);
+    parts.end[i] = end;
+  }
+  if (end != nout) throw std::invalid_argument("splits must add up to nout");
+  parts.count = static_cast<int>(pointers.size());
+  return parts;
+}
+
 CudaPath parse_path(const std::string& name) {
   CudaPath path;
   if (!path_from_name(name.c_str(), &path)) throw std::invalid_argument("path must be auto, decode, tiled, mma or wgmma");
@@ -33,8 +58,9 @@ void register_cuda_bindings(py::module_& mod) {
   mod.attr("HAS_CUDA") = true;
   mod.def(
       "nm_matmul_cuda",
-      [](uintptr_t x, uintptr_t values, uintptr_t indices, uintptr_t bias, uintptr_t y, int64_t rows, int n, int m,
-         int64_t k, int64_t nout, const std::string& dtype, float alpha, uintptr_t stream, const std::string& path) {
+      [](uintptr_t x, uintptr_t values, uintptr_t indices, uintptr_t bias, const py::object& y, int64_t rows, int n, int m,
+         int64_t k, int64_t nout, const std::string& dtype, float alpha, uintptr_t stream, const std::string& path,
+         const std::vector<int64_t>& splits) {
         if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m");
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
@@ -42,7 +68,7 @@ void register_cuda_bindings(py::module_& mod) {
         call.values = reinterpret_cast<const void*>(values);
         call.indices = reinterpret_cast<const uint32_t*>(indices);
         call.bias = reinterpret_cast<const void*>(bias);
-        call.y = reinterpret_cast<void*>(y);
+        call.y = parse_outputs(y, splits, nout);
         call.rows = rows;
         call.alpha = alpha;
         call.shape = NMShape::make(k, nout, n, m);
@@ -53,8 +79,9 @@ void register_cuda_bindings(py::module_& mod) {
       },
       py::arg("x"), py::arg("values"), py::arg("indices"), py::arg("bias"), py::arg("y"), py::arg("rows"), py::arg("n"),
       py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("alpha") = 1.0f, py::arg("stream") = 0,
-      py::arg("path") = "auto",
-      "Launch on device pointers (bias may be 0). Asynchronous on `stream`; no allocation.");
+      py::arg("path") = "auto", py::arg("splits") = std::vector<int64_t>{},
+      "Launch on device pointers (bias may be 0; y one pointer, or a list with `splits`, the columns each "
+      "holds). Asynchronous on `stream`; no allocation.");
   mod.def(
       "cuda_device_count",
       [] {

@@ -235,9 +235,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
     const int64_t row = row_of(tile);
     if (lane == 0 && row < p.nout) {
       const float b = p.bias ? to_f32(p.bias[row]) : 0.f;
+      const OutputColumn<T> y = p.y.column(row);
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        if (r < p.rows) p.y[r * p.nout + row] = from_f32<T>(p.alpha * acc[r] + b);
+        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[r] + b);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;

@@ -24,7 +24,7 @@ PathParams<T> typed(const CudaMatMul& c) {
   p.values = static_cast<const T*>(c.values);
   p.indices = c.indices;
   p.bias = static_cast<const T*>(c.bias);
-  p.y = static_cast<T*>(c.y);
+  p.y = c.y.as<T>();
   p.rows = c.rows;
   p.k = c.shape.k;
   p.nout = c.shape.nout;

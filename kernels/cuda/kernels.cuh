@@ -1,6 +1,7 @@
 // Parameters and launchers of the CUDA paths (internal to kernels/cuda).
 #pragma once
 #include "common.cuh"
+#include "../output_parts.h"
 
 namespace nmcli {
 
@@ -11,7 +12,7 @@ struct PathParams {
   const T* values;
   const uint32_t* indices;
   const T* bias;
-  T* y;
+  OutputParts<T> y;
   int64_t rows, k, nout, groups, row_len, index_words;
   int n, m, bits;
   float alpha;

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "../nm_format.h"
+#include "../output_parts.h"
 
 namespace nmcli {
 
@@ -17,7 +18,7 @@ struct CudaMatMul {
   const void* values = nullptr;       // [Nout, S]
   const uint32_t* indices = nullptr;  // [Nout, S*B/32]
   const void* bias = nullptr;         // [Nout] or null
-  void* y = nullptr;                  // [rows, Nout]
+  OutputParts<void> y;                // [rows, Nout], or column ranges into several tensors
   int64_t rows = 0;
   float alpha = 1.0f;
   NMShape shape;

@@ -314,12 +314,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
     const int64_t w = w0 + row + 8 * h;
     if (w >= p.nout) continue;
     const float bias = p.bias ? to_f32(p.bias[w]) : 0.f;
+    const OutputColumn<T> y = p.y.column(w);
 #pragma unroll
     for (int i = 0; i < kRows / 8; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int64_t r = r0 + 8 * i + 2 * q + e;
-        if (r < p.rows) p.y[r * p.nout + w] = from_f32<T>(p.alpha * acc[i * 4 + h * 2 + e] + bias);
+        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[i * 4 + h * 2 + e] + bias);
       }
   }
 #else
