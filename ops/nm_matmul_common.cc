@@ -28,12 +28,13 @@ NMMatMulAttrs NMMatMulAttrs::read(const OrtKernelInfo* info) {
   a.n = static_cast<int>(ki.GetAttribute<int64_t>("n"));
   a.m = static_cast<int>(ki.GetAttribute<int64_t>("m"));
   a.k = ki.GetAttribute<int64_t>("k");
-  float alpha = 1.0f;
-  if (Ort::GetApi().KernelInfoGetAttribute_float(info, "alpha", &alpha) == nullptr) a.alpha = alpha;
-  size_t count = 0;
   const OrtApi& api = Ort::GetApi();
+  float alpha = 1.0f;
+  if (OrtStatus* absent = api.KernelInfoGetAttribute_float(info, "alpha", &alpha)) api.ReleaseStatus(absent);
+  else a.alpha = alpha;
+  size_t count = 0;  // splits: absent for a single output
   if (OrtStatus* absent = api.KernelInfoGetAttributeArray_int64(info, "splits", nullptr, &count)) {
-    api.ReleaseStatus(absent);  // no splits: one output
+    api.ReleaseStatus(absent);
   } else if (count > 0) {
     a.splits.resize(count);
     Ort::ThrowOnError(api.KernelInfoGetAttributeArray_int64(info, "splits", a.splits.data(), &count));
