@@ -24,13 +24,20 @@ struct OutputParts {
   int64_t end[kMaxOutputParts] = {};  // one past each part's last column; end[count - 1] == Nout
   int count = 0;
 
-  static OutputParts single(T* y, int64_t nout) {
+  // Part i holds widths[i] consecutive columns at bases[i] (the caller checked that there are
+  // 1..kMaxOutputParts positive widths).
+  static OutputParts split(T* const* bases, const int64_t* widths, int count) {
     OutputParts parts;
-    parts.base[0] = y;
-    parts.end[0] = nout;
-    parts.count = 1;
+    int64_t end = 0;
+    for (int i = 0; i < count; ++i) {
+      end += widths[i];
+      parts.base[i] = bases[i];
+      parts.end[i] = end;
+    }
+    parts.count = count;
     return parts;
   }
+  static OutputParts single(T* y, int64_t nout) { return split(&y, &nout, 1); }
 
   // The same parts seen as another element type (the type-erased call -> a typed kernel).
   template <typename U>

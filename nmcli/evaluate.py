@@ -127,14 +127,16 @@ def layer_errors(dense: onnx.ModelProto, sparse: onnx.ModelProto) -> tuple[list[
 
     if not any(n.domain == OP_DOMAIN and n.op_type == OP_TYPE for n in sparse.graph.node):
         raise ModelError("the sparse model has no nmcli.NMMatMul nodes: nothing to compare (run nmcli prune first)")
-    originals, by_output = {}, {}  # fused ops are reported per original node, found by its output
+    originals, node_of_output = {}, {}  # fused ops report each original node by its output
     for cand in find_candidates(dense, Selection(NMPattern(1, 2))):
         if cand.weight is not None:
-            originals[cand.name] = (cand.name, cand.weight)
-            by_output[cand.node.output[0]] = (cand.name, cand.weight)
+            originals[cand.name] = cand.weight
+            node_of_output[cand.node.output[0]] = cand.name
     layers, notes = [], []
     for name, pruned, pattern, permuted in stored_weights(sparse):
-        name, weight = originals.get(name) or by_output.get(name) or (name, None)
+        if name not in originals:
+            name = node_of_output.get(name, name)
+        weight = originals.get(name)
         if weight is None or weight.shape != pruned.shape:
             notes.append(f"{name}: no dense node of that name and shape; its weight error is not shown")
             continue

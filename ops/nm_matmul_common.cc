@@ -81,17 +81,13 @@ NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& a
 }
 
 OutputParts<void> NMMatMulCall::outputs(Ort::KernelContext& ctx) const {
-  OutputParts<void> parts;
-  int64_t end = 0;
+  std::vector<void*> bases;
   for (size_t i = 0; i < widths.size(); ++i) {
     std::vector<int64_t> dims = leading;
     dims.push_back(widths[i]);
-    parts.base[i] = ctx.GetOutput(i, dims).GetTensorMutableRawData();
-    end += widths[i];
-    parts.end[i] = end;
+    bases.push_back(ctx.GetOutput(i, dims).GetTensorMutableRawData());
   }
-  parts.count = static_cast<int>(widths.size());
-  return parts;
+  return OutputParts<void>::split(bases.data(), widths.data(), static_cast<int>(widths.size()));
 }
 
 namespace {

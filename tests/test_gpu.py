@@ -21,18 +21,37 @@ def to_device(array, dtype_name):
     return t.to("cuda", TORCH_DTYPE[dtype_name] if array.dtype.kind == "f" else None)
 
 
-def run_cuda(x, packed, bias, alpha, dtype_name, path):
+def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None):
+    """The op's output as float64 parts: one [rows, Nout], or one per width (consecutive
+    columns in separate tensors, as a fused sibling group writes them). Outputs start poisoned."""
     k, nout = packed.shape.k, packed.shape.nout
     xd, vd = to_device(x, dtype_name), to_device(packed.values, dtype_name)
     idx = torch.from_numpy(packed.indices.view(np.int32)).cuda()
     bd = to_device(bias, dtype_name) if bias is not None else None
-    y = torch.full((*x.shape[:-1], nout), float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name])  # poison
     rows = int(np.prod(x.shape[:-1]))
+    ys = [torch.full((rows, width), float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name])
+          for width in (widths or [nout])]
+    y_arg = [y.data_ptr() for y in ys] if widths else ys[0].data_ptr()
     kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), bd.data_ptr() if bd is not None else 0,
-                           y.data_ptr(), rows, packed.shape.pattern.n, packed.shape.pattern.m, k, nout, dtype_name,
-                           alpha, torch.cuda.current_stream().cuda_stream, path)
+                           y_arg, rows, packed.shape.pattern.n, packed.shape.pattern.m, k, nout, dtype_name,
+                           alpha, torch.cuda.current_stream().cuda_stream, path, widths or [])
     torch.cuda.synchronize()
-    return y.float().cpu().numpy().astype(np.float64)
+    return [y.float().cpu().numpy().astype(np.float64) for y in ys]
+
+
+def random_case(rng, pattern, rows, k, nout, dtype_name):
+    """Fresh x [rows, K], packed W (magnitude-pruned) and bias; bf16 values are rounded through
+    bf16 first so the reference sees the same numbers."""
+    np_dtype = np.float16 if dtype_name == "float16" else np.float32
+    w, x, bias = (rng.standard_normal(shape).astype(np_dtype) for shape in ((k, nout), (rows, k), nout))
+    if dtype_name == "bfloat16":
+        w, x, bias = (torch.from_numpy(a).to(torch.bfloat16).float().numpy() for a in (w, x, bias))
+    return x, pack(w, choose_offsets(np.abs(w), pattern), pattern), bias
+
+
+def paths_for(rows, pattern, dtype_name, k):
+    return ["auto"] + [p for p in ("decode", "mma", "wgmma", "tiled")
+                       if kernels.cuda_path_supported(p, rows, pattern.n, pattern.m, dtype_name, k)]
 
 
 @pytest.mark.parametrize("n,m", FAMILIES + [(3, 7), (4, 8), (8, 16), (2, 16)])
@@ -46,21 +65,10 @@ def run_cuda(x, packed, bias, alpha, dtype_name, path):
                                          (600, 4104, 130), (300, 136, 8000), (700, 264, 17000)])
 def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
     pattern = NMPattern(n, m)
-    np_dtype = np.float16 if dtype_name == "float16" else np.float32
-    w = rng.standard_normal((k, nout)).astype(np_dtype)
-    if dtype_name == "bfloat16":  # round through bf16 so the reference sees the same numbers
-        w = torch.from_numpy(w).to(torch.bfloat16).float().numpy()
-    packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
-    x = rng.standard_normal((rows, k)).astype(np_dtype)
-    bias = rng.standard_normal(nout).astype(np_dtype)
-    if dtype_name == "bfloat16":
-        x = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
-        bias = torch.from_numpy(bias).to(torch.bfloat16).float().numpy()
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
-    paths = ["auto"] + [p for p in ("decode", "mma", "wgmma", "tiled")
-                        if kernels.cuda_path_supported(p, rows, n, m, dtype_name, k)]
-    for path in paths:
-        y = run_cuda(x, packed, bias, 0.75, dtype_name, path)
+    for path in paths_for(rows, pattern, dtype_name, k):
+        [y] = run_cuda(x, packed, bias, 0.75, dtype_name, path)
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
 
 
@@ -70,27 +78,13 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
 def test_cuda_paths_write_split_outputs(rng, dtype_name, rows, k, widths):
     """A fused sibling group: every path writes consecutive column ranges into separate,
     poisoned tensors; each must equal its columns of the float64 reference."""
-    pattern, nout = NMPattern(2, 8), sum(widths)
-    np_dtype = np.float16 if dtype_name == "float16" else np.float32
-    w = rng.standard_normal((k, nout)).astype(np_dtype)
-    x = rng.standard_normal((rows, k)).astype(np_dtype)
-    if dtype_name == "bfloat16":
-        w, x = (torch.from_numpy(a).to(torch.bfloat16).float().numpy() for a in (w, x))
-    packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
-    ref, magnitude = dense_reference(x, unpack(packed), None, alpha=1.0)
-    xd, vd = to_device(x, dtype_name), to_device(packed.values, dtype_name)
-    idx = torch.from_numpy(packed.indices.view(np.int32)).cuda()
-    paths = ["auto"] + [p for p in ("decode", "mma", "wgmma", "tiled")
-                        if kernels.cuda_path_supported(p, rows, 2, 8, dtype_name, k)]
-    for path in paths:
-        ys = [torch.full((rows, width), float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name]) for width in widths]
-        kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), 0, [y.data_ptr() for y in ys], rows, 2, 8,
-                               k, nout, dtype_name, 1.0, torch.cuda.current_stream().cuda_stream, path, widths)
-        torch.cuda.synchronize()
+    pattern = NMPattern(2, 8)
+    x, packed, bias = random_case(rng, pattern, rows, k, sum(widths), dtype_name)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    for path in paths_for(rows, pattern, dtype_name, k):
         start = 0
-        for y, width in zip(ys, widths):
+        for got, width in zip(run_cuda(x, packed, bias, 0.75, dtype_name, path, widths), widths):
             cols = slice(start, start + width)
-            got = y.float().cpu().numpy().astype(np.float64)
             assert error_ratio(got, ref[:, cols], magnitude[:, cols], dtype_name, k) < 1, (path, width)
             start += width
 

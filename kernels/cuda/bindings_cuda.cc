@@ -33,17 +33,15 @@ OutputParts<void> parse_outputs(const py::object& y, const std::vector<int64_t>&
   if (pointers.empty() || pointers.size() != splits.size() || pointers.size() > static_cast<size_t>(kMaxOutputParts))
     throw std::invalid_argument("y must be one pointer, or 1.." + std::to_string(kMaxOutputParts) +
                                 " pointers with as many splits");
-  OutputParts<void> parts;
-  int64_t end = 0;
+  std::vector<void*> bases;
+  int64_t total = 0;
   for (size_t i = 0; i < pointers.size(); ++i) {
     if (splits[i] < 1) throw std::invalid_argument("splits must be positive");
-    end += splits[i];
-    parts.base[i] = reinterpret_cast<void*>(pointers[i]);
-    parts.end[i] = end;
+    total += splits[i];
+    bases.push_back(reinterpret_cast<void*>(pointers[i]));
   }
-  if (end != nout) throw std::invalid_argument("splits must add up to nout");
-  parts.count = static_cast<int>(pointers.size());
-  return parts;
+  if (total != nout) throw std::invalid_argument("splits must add up to nout");
+  return OutputParts<void>::split(bases.data(), splits.data(), static_cast<int>(splits.size()));
 }
 
 CudaPath parse_path(const std::string& name) {
