@@ -65,7 +65,13 @@ def test_library_reports_cuda_when_built_with_nvcc():
     # fp16/bf16 with M in {2, 4, 8, 16}, the SIMT tiled path for everything else.
     assert _kernels.cuda_path(1, 2, 8, 4096, 4096, "float16") == "decode"
     assert _kernels.cuda_path(16, 2, 8, 4096, 4096, "float32") == "decode"
-    assert _kernels.cuda_path(9, 2, 8, 4096, 4096, "float16") == "mma"  # the mma path from 9 rows
+    assert _kernels.cuda_path(8, 2, 4, 11008, 4096, "float16") == "decode"
+    # 9..16 rows: decode for N/M <= 1/4 while the activations are staged in one K chunk, else mma.
+    assert _kernels.cuda_path(9, 2, 8, 4096, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(16, 1, 8, 4096, 22016, "bfloat16") == "decode"
+    assert _kernels.cuda_path(9, 2, 4, 4096, 4096, "float16") == "mma"
+    assert _kernels.cuda_path(16, 2, 8, 11008, 4096, "float16") == "mma"
+    assert _kernels.cuda_path(16, 4, 16, 14336, 4096, "float16") == "mma"
     assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float16") == "mma"
     # From 128 rows the warpgroup (wgmma) path, where the device is compute capability 9.0.
     sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)

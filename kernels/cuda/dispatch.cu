@@ -8,7 +8,10 @@
 // grid has at least 48 blocks (narrow outputs at a few hundred rows leave most SMs idle: 256 x
 // 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks); from
 // 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a
-// cluster keeps small row counts fast), else decode up to 16 rows and the tiled SIMT path above.
+// cluster keeps small row counts fast), except at 9..16 rows for N/M <= 1/4 when the decode kernel
+// stages the whole K at once (session 8, --path decode|mma at 12 and 16 rows: decode 1.06-1.33x
+// the mma path for 2:8 and 1:8 with K = 4096; mma ahead at 2:4 and at K = 11008 or 14336, where
+// decode stages K in two chunks); else decode up to 16 rows and the tiled SIMT path above.
 #include <cstdlib>
 #include <cstring>
 #include "kernels.cuh"
@@ -92,6 +95,19 @@ bool wgmma_supported(const CudaMatMul& call) {
 #endif
 }
 
+namespace {
+// Whether the decode kernel would stage this call's activations once (one K chunk).
+bool decode_single_chunk(const CudaMatMul& call) {
+  const NMShape& s = call.shape;
+  switch (call.dtype) {
+    case DType::f32: return decode_stages_once<float>(call.rows, s.n, s.m, s.groups);
+    case DType::f16: return decode_stages_once<__half>(call.rows, s.n, s.m, s.groups);
+    case DType::bf16: return decode_stages_once<__nv_bfloat16>(call.rows, s.n, s.m, s.groups);
+  }
+  return false;
+}
+}  // namespace
+
 bool path_supported(const CudaMatMul& call, CudaPath path) {
   switch (path) {
     case CudaPath::automatic: return true;
@@ -109,7 +125,13 @@ CudaPath choose_path(const CudaMatMul& call) {
                                ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);
   if (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks && path_supported(call, CudaPath::wgmma))
     return CudaPath::wgmma;
-  if (path_supported(call, CudaPath::mma)) return CudaPath::mma;
+  if (path_supported(call, CudaPath::mma)) {
+    // 9..16 rows: the decode kernel still wins for the sparser patterns when it stages the
+    // activations once; with several K chunks, or at N/M = 1/2, the mma path does.
+    const bool sparse = 4 * call.shape.n <= call.shape.m;
+    if (call.rows <= kDecodeMaxRows && sparse && decode_single_chunk(call)) return CudaPath::decode;
+    return CudaPath::mma;
+  }
   return call.rows <= kDecodeMaxRows ? CudaPath::decode : CudaPath::tiled;
 }
 

@@ -32,6 +32,8 @@ constexpr int64_t kWgmmaWeightTile = 128;   // weight rows per wgmma block
 constexpr int64_t kWgmmaMinRowTile = 64;    // its smallest activation tile
 
 template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t stream);
+// Whether the decode kernel for `rows` stages the activations of the whole K at once (one chunk).
+template <typename T> bool decode_stages_once(int64_t rows, int n, int m, int64_t groups);
 template <typename T> cudaError_t run_tiled(PathParams<T> p, cudaStream_t stream);
 template <typename T> cudaError_t run_mma(PathParams<T> p, cudaStream_t stream);
 bool mma_supported(int dtype_bytes, int m);
