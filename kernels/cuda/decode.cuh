@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
   // one aligned run, staged run-transposed, so its base slot is computed once and every entry
   // adds a constant plus its offset times 32 (compute_step).
   using Layout = LayoutFor<T, kN, kM>;
-  constexpr bool kVectorBase = run_positions<T, kN, kM>() > 0;
+  constexpr bool kVectorBase = Layout::kRun > 0;
   const int n = kStatic ? kN : p.n;
   const int m = kStatic ? kM : p.m;
   const int bits = kStatic ? index_bits(kM) : p.bits;
