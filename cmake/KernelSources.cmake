@@ -4,7 +4,7 @@ set(NMCLI_KERNEL_CUDA_FILES kernels/cuda/decode_f32.cu kernels/cuda/decode_f16.c
     kernels/cuda/tiled.cu kernels/cuda/mma.cu kernels/cuda/dispatch.cu)
 # Built for sm_90a only (wgmma), as a separate object library with its own -gencode: the
 # architecture-specific target cannot share a compile with the plain sm_90 one.
-set(NMCLI_KERNEL_SM90A_FILES kernels/cuda/wgmma.cu)
+set(NMCLI_KERNEL_SM90A_FILES kernels/cuda/wgmma.cu kernels/cuda/wgmma_sp.cu)
 
 # Object library `name` with the sm_90a sources of the repository at `root`; the consumer links
 # $<TARGET_OBJECTS:name> and defines NMCLI_WITH_SM90A.

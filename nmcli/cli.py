@@ -334,7 +334,7 @@ def bench_kernels(
                                                        "or nmsparse (the nmSPARSE operator table)."),
     rows: List[int] = typer.Option([], "--rows", help="Only these activation row counts (repeatable)."),
     replays: int = typer.Option(20, "--replays", min=3, help="Timed graph replays per measurement (median)."),
-    path: str = typer.Option("auto", "--path", help="auto (the dispatch's choice), decode, mma, wgmma or tiled; "
+    path: str = typer.Option("auto", "--path", help="auto (the dispatch's choice), decode, mma, wgmma, wgmma_sp or tiled; "
                                                    "calls a forced path cannot run are skipped."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
 ):
@@ -348,8 +348,8 @@ def bench_kernels(
         raise NmcliError(f"--dtype must be float16, bfloat16 or float32, not '{dtype}'")
     if shapes not in ("all", "llama", "nmsparse"):
         raise NmcliError(f"--shapes must be all, llama or nmsparse, not '{shapes}'")
-    if path not in ("auto", "decode", "mma", "wgmma", "tiled"):
-        raise NmcliError(f"--path must be auto, decode, mma, wgmma or tiled, not '{path}'")
+    if path not in ("auto", "decode", "mma", "wgmma", "wgmma_sp", "tiled"):
+        raise NmcliError(f"--path must be auto, decode, mma, wgmma, wgmma_sp or tiled, not '{path}'")
     torch = bk.require_gpu()
     todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse") if not rows or s[0] in rows
             for p in patterns if bk.path_for(*s, p, dtype, path)]

@@ -50,7 +50,7 @@ def random_case(rng, pattern, rows, k, nout, dtype_name):
 
 
 def paths_for(rows, pattern, dtype_name, k):
-    return ["auto"] + [p for p in ("decode", "mma", "wgmma", "tiled")
+    return ["auto"] + [p for p in ("decode", "mma", "wgmma", "wgmma_sp", "tiled")
                        if kernels.cuda_path_supported(p, rows, pattern.n, pattern.m, dtype_name, k)]
 
 

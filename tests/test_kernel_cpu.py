@@ -81,6 +81,12 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(4096, 2, 8, 4100, 4096, "float16") == "mma"  # K % 8 != 0: no 16-byte copies
     assert not _kernels.cuda_path_supported("wgmma", 4096, 2, 8, "float32", 4096)
     assert not _kernels.cuda_path_supported("wgmma", 4096, 3, 8, "float16", 4096)
+    # 2:4 takes the sparse tensor cores (wgmma.mma_async.sp) instead, under the same conditions.
+    assert _kernels.cuda_path(4096, 2, 4, 4096, 4096, "float16") == ("wgmma_sp" if sm90 else "mma")
+    assert _kernels.cuda_path(512, 2, 4, 4096, 11008, "bfloat16") == ("wgmma_sp" if sm90 else "mma")
+    assert _kernels.cuda_path(256, 2, 4, 1024, 1024, "float16") == "mma"
+    assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 2, 8, "float16", 4096)
+    assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 2, 4, "float32", 4096)
     assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float32") == "tiled"
     assert _kernels.cuda_path(17, 3, 7, 4096, 4096, "float16") == "tiled"
     assert _kernels.cuda_path(17, 16, 32, 4096, 4096, "float16") == "tiled"

@@ -311,7 +311,7 @@ std::vector<std::string> split(const std::string& s, char sep) {
 
 const char* kUsage =
     "usage: nmcli_bench [--shapes llama|nmsparse] [--rows 1,8,16] [--mkn 16x4096x4096,...]\n"
-    "                   [--nm 2:4,2:8,...] [--dtype f16|bf16|f32] [--path auto|decode|mma|wgmma|tiled]\n"
+    "                   [--nm 2:4,2:8,...] [--dtype f16|bf16|f32] [--path auto|decode|mma|wgmma|wgmma_sp|tiled]\n"
     "                   [--replays 20] [--json]\n"
     "Times nmcli's CUDA kernels against cuBLAS dense on the same pruned weights (CUDA-graph\n"
     "replay, buffers rotated past 4x L2, median) and checks every result against cuBLAS.\n";
@@ -355,7 +355,7 @@ Options parse(int argc, char** argv) {
       else throw std::invalid_argument("--dtype must be f16, bf16 or f32");
     } else if (a == "--path") {
       if (!path_from_name(value().c_str(), &opt.path))
-        throw std::invalid_argument("--path must be auto, decode, mma, wgmma or tiled");
+        throw std::invalid_argument("--path must be auto, decode, mma, wgmma, wgmma_sp or tiled");
     } else if (a == "--replays") {
       opt.replays = std::max(3, std::stoi(value()));
     } else if (a == "--json") {

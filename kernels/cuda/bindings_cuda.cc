@@ -46,7 +46,7 @@ OutputParts<void> parse_outputs(const py::object& y, const std::vector<int64_t>&
 
 CudaPath parse_path(const std::string& name) {
   CudaPath path;
-  if (!path_from_name(name.c_str(), &path)) throw std::invalid_argument("path must be auto, decode, tiled, mma or wgmma");
+  if (!path_from_name(name.c_str(), &path)) throw std::invalid_argument("path must be auto, decode, tiled, mma, wgmma or wgmma_sp");
   return path;
 }
 
@@ -117,7 +117,7 @@ void register_cuda_bindings(py::module_& mod) {
         return path_supported(call, parse_path(path));
       },
       py::arg("path"), py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("dtype"), py::arg("k") = 0,
-      "Whether a path (decode, tiled, mma, wgmma) can run calls of this kind (K = k, or a multiple of 8 when 0).");
+      "Whether a path (decode, tiled, mma, wgmma, wgmma_sp) can run calls of this kind (K = k, or a multiple of 8 when 0).");
 }
 
 }  // namespace nmcli

@@ -6,7 +6,9 @@
 // where it applies (fp16/bf16, K % 8 == 0, the families wgmma.cu compiles: it is 1.1-3.3x the
 // mma path there, while at 64 rows the mma path's split-K wins on 3 of 5 LLaMA shapes) and its
 // grid has at least 48 blocks (narrow outputs at a few hundred rows leave most SMs idle: 256 x
-// 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks); from
+// 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks) -- for 2:4 its
+// sparse-tensor-core twin (wgmma_sp.cu; session 9, --path wgmma|wgmma_sp at 512 and 4096 rows:
+// 1.7-2.8x the expanding kernel on the five LLaMA shapes); from
 // 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a
 // cluster keeps small row counts fast), except at 9..16 rows for N/M <= 1/4 when the decode kernel
 // stages the whole K at once (session 8, --path decode|mma at 12 and 16 rows: decode 1.06-1.33x
@@ -51,6 +53,7 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
   if (path == CudaPath::mma) return run_mma<T>(typed<T>(c), stream);
 #if defined(NMCLI_WITH_SM90A)
   if (path == CudaPath::wgmma) return run_wgmma<T>(typed<T>(c), stream);
+  if (path == CudaPath::wgmma_sp) return run_wgmma_sp<T>(typed<T>(c), stream);
 #endif
   return run_tiled<T>(typed<T>(c), stream);
 }
@@ -85,12 +88,16 @@ bool use_pdl() {
   return !disabled && compute_capability() >= 90;
 }
 
-bool wgmma_supported(const CudaMatMul& call) {
+// Both warpgroup paths: fp16/bf16, K % 8 == 0 (16-byte activation copies), compute capability
+// 9.0, and a family the path's kernels are compiled for.
+bool wgmma_supported(const CudaMatMul& call, bool sparse_tensor_cores) {
 #if defined(NMCLI_WITH_SM90A)
+  const int n = call.shape.n, m = call.shape.m;
   return call.dtype != DType::f32 && call.shape.k % 8 == 0 && reinterpret_cast<uintptr_t>(call.x) % 16 == 0 &&
-         wgmma_family(call.shape.n, call.shape.m) && wgmma_device();
+         (sparse_tensor_cores ? wgmma_sp_family(n, m) : wgmma_family(n, m)) && wgmma_device();
 #else
   (void)call;
+  (void)sparse_tensor_cores;
   return false;
 #endif
 }
@@ -114,7 +121,8 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
     case CudaPath::decode: return call.rows <= kDecodeMaxRows;
     case CudaPath::tiled: return true;
     case CudaPath::mma: return mma_supported(call.dtype == DType::f32 ? 4 : 2, call.shape.m);
-    case CudaPath::wgmma: return wgmma_supported(call);
+    case CudaPath::wgmma: return wgmma_supported(call, false);
+    case CudaPath::wgmma_sp: return wgmma_supported(call, true);
   }
   return false;
 }
@@ -123,8 +131,10 @@ CudaPath choose_path(const CudaMatMul& call) {
   if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
   const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile *
                                ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);
-  if (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks && path_supported(call, CudaPath::wgmma))
-    return CudaPath::wgmma;
+  if (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks) {
+    if (path_supported(call, CudaPath::wgmma_sp)) return CudaPath::wgmma_sp;
+    if (path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
+  }
   if (path_supported(call, CudaPath::mma)) {
     // 9..16 rows: the decode kernel still wins for the sparser patterns when it stages the
     // activations once; with several K chunks, or at N/M = 1/2, the mma path does.
@@ -141,12 +151,14 @@ const char* path_name(CudaPath path) {
     case CudaPath::tiled: return "tiled";
     case CudaPath::mma: return "mma";
     case CudaPath::wgmma: return "wgmma";
+    case CudaPath::wgmma_sp: return "wgmma_sp";
     default: return "auto";
   }
 }
 
 bool path_from_name(const char* name, CudaPath* path) {
-  for (CudaPath p : {CudaPath::automatic, CudaPath::decode, CudaPath::tiled, CudaPath::mma, CudaPath::wgmma}) {
+  for (CudaPath p : {CudaPath::automatic, CudaPath::decode, CudaPath::tiled, CudaPath::mma, CudaPath::wgmma,
+                     CudaPath::wgmma_sp}) {
     if (std::strcmp(name, path_name(p)) == 0) {
       *path = p;
       return true;

@@ -41,6 +41,9 @@ bool mma_supported(int dtype_bytes, int m);
 template <typename T> cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream);
 bool wgmma_family(int n, int m);  // N:M families the wgmma kernels are compiled for
 bool wgmma_device();              // the current device runs sm_90a code (compute capability 9.0)
+// Sparse warpgroup (wgmma.mma_async.sp) path for 2:4, sm_90a only, built with run_wgmma.
+template <typename T> cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream);
+bool wgmma_sp_family(int n, int m);
 
 // SMs of the current device (cached per device).
 int multiprocessor_count();

@@ -10,7 +10,7 @@
 namespace nmcli {
 
 enum class DType { f32 = 0, f16 = 1, bf16 = 2 };
-enum class CudaPath { automatic = 0, decode = 1, tiled = 2, mma = 3, wgmma = 4 };
+enum class CudaPath { automatic = 0, decode = 1, tiled = 2, mma = 3, wgmma = 4, wgmma_sp = 5 };
 
 struct CudaMatMul {
   DType dtype = DType::f16;
@@ -27,7 +27,8 @@ struct CudaMatMul {
 // Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).
 CudaPath choose_path(const CudaMatMul& call);
 // Whether `path` can run this call (decode: rows <= 16; mma: fp16/bf16 with M in {2,4,8,16};
-// wgmma: fp16/bf16 on compute capability 9.0, K % 8 == 0, the families wgmma.cu compiles).
+// wgmma: fp16/bf16 on compute capability 9.0, K % 8 == 0, the families wgmma.cu compiles;
+// wgmma_sp: the same for 2:4).
 bool path_supported(const CudaMatMul& call, CudaPath path);
 const char* path_name(CudaPath path);
 // The path `path_name` spells as `name`; false when there is none.

@@ -28,18 +28,14 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "common.cuh"
-#include "kernels.cuh"
-#include "wgmma_ops.cuh"
+#include "wgmma_tile.cuh"
 
 namespace nmcli {
 namespace {
 
-constexpr int kBK = 64;                      // K positions per step: one 128-byte swizzle row
-constexpr int kWarpgroups = 2;
-constexpr int kThreads = 128 * kWarpgroups;
-constexpr int kTileW = 64 * kWarpgroups;     // weight rows (output features) per block
-static_assert(kTileW == kWgmmaWeightTile, "the dispatch sizes the grid with kWgmmaWeightTile");
+using sm90::kBK;
+using sm90::kThreads;
+using sm90::kTileW;
 
 template <int kN, int kM>
 struct Family {
@@ -71,22 +67,15 @@ struct Layout {
 };
 
 // Copies a step's activation tile and packed weight tile into its stage. Every thread copies
-// the same chunks of every step (fixed rows and columns of the tiles), so the addresses, the
-// swizzled destinations and the row checks are computed once; per step only K moves.
+// the same chunks of every step, so the addresses are computed once; per step only K moves.
 template <typename T, int kN, int kM, int kRows>
 struct StepLoader {
   using F = Family<kN, kM>;
   using L = Layout<kN, kM, kRows>;
-  static constexpr int kX = kRows * 8 / kThreads;                                    // 16-byte chunks
   static constexpr int kV = (kTileW * F::kValueChunks + kThreads - 1) / kThreads;   // 16-byte chunks
   static constexpr int kI = (kTileW * F::kIndexWords + kThreads - 1) / kThreads;    // 4-byte words
-  static_assert(kRows * 8 % kThreads == 0, "whole activation chunks per thread");
 
-  const T* x;               // this thread's first activation chunk at step 0
-  int64_t x_row_stride;     // 32 rows further
-  uint32_t x_dst;           // its swizzled offset in the stage (+ j * 32 rows for chunk j)
-  uint32_t x_rows_ok;       // bit j: chunk j's row exists
-  int x_col;                // K offset of the chunks inside a step
+  sm90::ActivationLoader<T, kRows> x;
   const T* v[kV];
   uint32_t v_dst[kV];
   bool v_ok[kV];
@@ -95,15 +84,8 @@ struct StepLoader {
   int w_col[kI];
   bool w_ok[kI];
 
-  __device__ __forceinline__ StepLoader(const PathParams<T>& p, int64_t w0, int64_t r0) {
-    const int tid = threadIdx.x, r = tid >> 3;
-    x_col = (tid & 7) * 8;
-    x = p.x + (r0 + r) * p.k + x_col;
-    x_row_stride = 32 * p.k;
-    x_dst = r * 128 + (((tid & 7) ^ (r & 7)) << 4);
-    x_rows_ok = 0;
-#pragma unroll
-    for (int j = 0; j < kX; ++j) x_rows_ok |= static_cast<uint32_t>(r0 + r + 32 * j < p.rows) << j;
+  __device__ __forceinline__ StepLoader(const PathParams<T>& p, int64_t w0, int64_t r0) : x(p, r0) {
+    const int tid = threadIdx.x;
 #pragma unroll
     for (int j = 0; j < kV; ++j) {
       const int i = tid + j * kThreads, row = i / F::kValueChunks, c = i % F::kValueChunks;
@@ -123,12 +105,7 @@ struct StepLoader {
 
   __device__ __forceinline__ void load(const PathParams<T>& p, uint8_t* stage, int64_t t) const {
     const uint32_t base = sm90::smem_addr(stage);
-    const bool k_ok = t * kBK + x_col < p.k;
-#pragma unroll
-    for (int j = 0; j < kX; ++j) {
-      const bool ok = k_ok && (x_rows_ok >> j & 1u);
-      sm90::cp_async16(base + x_dst + j * 32 * 128, ok ? x + t * kBK + j * x_row_stride : p.x, ok);
-    }
+    x.load(p, base, t);
     const int64_t j0 = t * F::kEntries;  // the step's first stored entry
     const bool in_row = j0 < p.row_len;
 #pragma unroll
@@ -308,21 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
   sm90::wgmma_wait<0>();
   sm90::fence_operands(acc);
 
-  // Accumulator i*4 + h*2 + e holds weight row `row` (+ 8 for h = 1), activation row 8i + 2q + e.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t w = w0 + row + 8 * h;
-    if (w >= p.nout) continue;
-    const float bias = p.bias ? to_f32(p.bias[w]) : 0.f;
-    const OutputColumn<T> y = p.y.column(w);
-#pragma unroll
-    for (int i = 0; i < kRows / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t r = r0 + 8 * i + 2 * q + e;
-        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[i * 4 + h * 2 + e] + bias);
-      }
-  }
+  sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -334,19 +297,8 @@ cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
   static_assert(kSmem <= 227 * 1024, "shared memory per block");
   if (cudaError_t e = allow_dynamic_smem<wgmma_kernel<T, kN, kM, kRows>>(static_cast<int>(kSmem)); e != cudaSuccess)
     return e;
-  const dim3 grid(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW), static_cast<unsigned>((p.rows + kRows - 1) / kRows));
-  wgmma_kernel<T, kN, kM, kRows><<<grid, kThreads, kSmem, stream>>>(p);
+  wgmma_kernel<T, kN, kM, kRows><<<sm90::tile_grid(p, kRows), kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
-}
-
-// The widest activation tile that still gives every SM a block (wider tiles read each weight
-// tile fewer times; narrower ones fill the GPU at a few hundred rows).
-template <typename T, int kN, int kM>
-cudaError_t launch_rows(const PathParams<T>& p, cudaStream_t stream) {
-  const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
-  if ((p.rows + 255) / 256 * weight_tiles >= sms) return launch<T, kN, kM, 256>(p, stream);
-  if ((p.rows + 127) / 128 * weight_tiles >= sms) return launch<T, kN, kM, 128>(p, stream);
-  return launch<T, kN, kM, 64>(p, stream);
 }
 
 // Calls fn(N, M) with the family as compile-time constants (std::integral_constant), or
@@ -383,7 +335,7 @@ cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
     if (p.k % 8 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0 || !wgmma_device()) return cudaErrorInvalidValue;
     return with_family(p.n, p.m, [&](auto kN, auto kM) {
       if constexpr (kN() == 0) return cudaErrorInvalidValue;
-      else return launch_rows<T, kN(), kM()>(p, stream);
+      else return sm90::launch_widest(p, [&](auto rows) { return launch<T, kN(), kM(), rows()>(p, stream); });
     });
   }
 }

@@ -1,7 +1,7 @@
-// Hopper (sm_90a) PTX wrappers for the warpgroup tensor-core path (wgmma.cu): asynchronous
+// Hopper (sm_90a) PTX wrappers for the warpgroup tensor-core paths (wgmma.cu, wgmma_sp.cu): asynchronous
 // copies, the async-proxy fence, wgmma's fence/commit/wait, shared-memory descriptors, and
 // wgmma.mma_async with both operands in shared memory for the activation-tile widths we launch.
-// Only compiled for sm_90a (cmake/Targets.cmake builds wgmma.cu with its own -gencode).
+// Only compiled for sm_90a (cmake/KernelSources.cmake builds those files with their own -gencode).
 #pragma once
 #include <cstdint>
 
@@ -16,6 +16,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // (source size 0), which is how rows and K positions past the end become zeros.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
@@ -44,6 +47,7 @@ __device__ __forceinline__ void fence_operands(float (&d)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+
 // Descriptor of a K-major tile of 16-bit values in shared memory with the 128-byte swizzle:
 // rows of 64 values (128 B), 8-row atoms of 1024 B (stride-dimension offset), atoms 1024-byte
 // aligned; the 16-byte chunk c of row r sits at chunk c ^ (r % 8). Bits: start address >> 4
@@ -52,6 +56,13 @@ __device__ __forceinline__ void fence_operands(float (&d)[kCount]) {
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
          (1ull << 62);
+}
+
+// The same for rows of 32 values (64 B) with the 64-byte swizzle: 8-row atoms of 512 B, chunk c
+// of row r at chunk c ^ ((r / 2) % 4), atoms 512-byte aligned; swizzle mode 2 (64 B).
+__device__ __forceinline__ uint64_t sw64_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(512 >> 4) << 32) |
+         (2ull << 62);
 }
 
 // D[64 x N] += A[64 x 16] * B[16 x N], both K-major tiles in shared memory (descriptors above),
@@ -103,6 +114,37 @@ __device__ __forceinline__ void wgmma(float (&d)[kWidth / 2], uint64_t a_desc, u
     if constexpr (kBf16) NMCLI_WGMMA_SS_M64N128K16("bf16"); else NMCLI_WGMMA_SS_M64N128K16("f16");
   } else {
     if constexpr (kBf16) NMCLI_WGMMA_SS_M64N256K16("bf16"); else NMCLI_WGMMA_SS_M64N256K16("f16");
+  }
+}
+
+// D[64 x N] += A[64 x 32] * B[32 x N] with A 2:4-sparse: the descriptor's tile holds A's 16 stored
+// values per row (K-major, like a dense 64 x 16 tile) and `meta` their offsets. Lanes 4g and
+// 4g + 1 of each warp supply the metadata (sparsity selector 0): bits [0, 16) for row g and
+// [16, 32) for row g + 8 of the warp's 16, lane 4g for K positions 0..15 and lane 4g + 1 for
+// 16..31, each 4-position group in 4 bits (two 2-bit offsets, the first in the low bits).
+// Measured on the H100 (scratch probe that moved one group's offsets at a time).
+#define NMCLI_WGMMA_SP(SHAPE, TYPE, REGS, OPERANDS, ...) \
+  asm volatile("wgmma.mma_async.sp.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" REGS "}, " OPERANDS ", 0, 1, 1, 1, 0, 0;" \
+               : __VA_ARGS__ : "l"(a_desc), "l"(b_desc), "r"(meta))
+
+#define NMCLI_WGMMA_SP_M64N64K32(TYPE) \
+  NMCLI_WGMMA_SP("m64n64k32", TYPE, NMCLI_WGMMA_REGS_0_31, "%32, %33, %34", NMCLI_WGMMA_ACC32(0))
+#define NMCLI_WGMMA_SP_M64N128K32(TYPE) \
+  NMCLI_WGMMA_SP("m64n128k32", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "%64, %65, %66", \
+                 NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32))
+#define NMCLI_WGMMA_SP_M64N256K32(TYPE) \
+  NMCLI_WGMMA_SP("m64n256k32", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63 ", " NMCLI_WGMMA_REGS_64_127, \
+                 "%128, %129, %130", NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32), NMCLI_WGMMA_ACC32(64), NMCLI_WGMMA_ACC32(96))
+
+template <int kWidth, bool kBf16>
+__device__ __forceinline__ void wgmma_sp(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc, uint32_t meta) {
+  static_assert(kWidth == 64 || kWidth == 128 || kWidth == 256, "activation tile widths we launch");
+  if constexpr (kWidth == 64) {
+    if constexpr (kBf16) NMCLI_WGMMA_SP_M64N64K32("bf16"); else NMCLI_WGMMA_SP_M64N64K32("f16");
+  } else if constexpr (kWidth == 128) {
+    if constexpr (kBf16) NMCLI_WGMMA_SP_M64N128K32("bf16"); else NMCLI_WGMMA_SP_M64N128K32("f16");
+  } else {
+    if constexpr (kBf16) NMCLI_WGMMA_SP_M64N256K32("bf16"); else NMCLI_WGMMA_SP_M64N256K32("f16");
   }
 }
 

@@ -1,0 +1,94 @@
+// The pieces both warpgroup kernels share (wgmma.cu: the weight expanded to a dense tile;
+// wgmma_sp.cu: 2:4 weights on the sparse tensor cores): the block shape, the activation tile's
+// asynchronous copy, the epilogue and the choice of activation-tile width. sm_90a only.
+#pragma once
+#include "common.cuh"
+#include "kernels.cuh"
+#include "wgmma_ops.cuh"
+
+namespace nmcli {
+namespace sm90 {
+
+constexpr int kBK = 64;                      // K positions per step: one 128-byte swizzle row of B
+constexpr int kWarpgroups = 2;
+constexpr int kThreads = 128 * kWarpgroups;
+constexpr int kTileW = 64 * kWarpgroups;     // weight rows (output features) per block
+static_assert(kTileW == kWgmmaWeightTile, "the dispatch sizes the grid with kWgmmaWeightTile");
+
+// Copies a step's activation tile ([kRows x 64] K-major, 128-byte swizzle) to the start of its
+// stage. Every thread copies the same chunks of every step (fixed rows and columns of the tile),
+// so the addresses, the swizzled destinations and the row checks are computed once; per step
+// only K moves. Rows past the end and K positions past K are zero-filled.
+template <typename T, int kRows>
+struct ActivationLoader {
+  static constexpr int kChunks = kRows * 8 / kThreads;  // 16-byte chunks per thread
+  static_assert(kRows * 8 % kThreads == 0, "whole activation chunks per thread");
+
+  const T* x;               // this thread's first chunk at step 0
+  int64_t row_stride;       // 32 rows further
+  uint32_t dst;             // its swizzled offset in the stage (+ j * 32 rows for chunk j)
+  uint32_t rows_ok;         // bit j: chunk j's row exists
+  int col;                  // K offset of the chunks inside a step
+
+  __device__ __forceinline__ ActivationLoader(const PathParams<T>& p, int64_t r0) {
+    const int tid = threadIdx.x, r = tid >> 3;
+    col = (tid & 7) * 8;
+    x = p.x + (r0 + r) * p.k + col;
+    row_stride = 32 * p.k;
+    dst = r * 128 + (((tid & 7) ^ (r & 7)) << 4);
+    rows_ok = 0;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) rows_ok |= static_cast<uint32_t>(r0 + r + 32 * j < p.rows) << j;
+  }
+
+  __device__ __forceinline__ void load(const PathParams<T>& p, uint32_t stage, int64_t t) const {
+    const bool k_ok = t * kBK + col < p.k;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const bool ok = k_ok && (rows_ok >> j & 1u);
+      cp_async16(stage + dst + j * 32 * 128, ok ? x + t * kBK + j * row_stride : p.x, ok);
+    }
+  }
+};
+
+// Writes a warpgroup's accumulators: accumulator i*4 + h*2 + e holds weight row `row` (+ 8 for
+// h = 1) of the block, activation row 8i + 2q + e of its tile; alpha and bias applied here.
+template <typename T, int kRows>
+__device__ __forceinline__ void store_tile(const PathParams<T>& p, const float (&acc)[kRows / 2], int64_t w0,
+                                           int64_t r0, int row, int q) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t w = w0 + row + 8 * h;
+    if (w >= p.nout) continue;
+    const float bias = p.bias ? to_f32(p.bias[w]) : 0.f;
+    const OutputColumn<T> y = p.y.column(w);
+#pragma unroll
+    for (int i = 0; i < kRows / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t r = r0 + 8 * i + 2 * q + e;
+        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[i * 4 + h * 2 + e] + bias);
+      }
+  }
+}
+
+// The widest activation tile (256, 128 or 64 rows) that still gives every SM a block (wider
+// tiles read each weight tile fewer times; narrower ones fill the GPU at a few hundred rows).
+// launch(std::integral_constant<int, kRows>) starts the kernel.
+template <typename T, typename Launch>
+cudaError_t launch_widest(const PathParams<T>& p, Launch&& launch) {
+  const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
+  if ((p.rows + 255) / 256 * weight_tiles >= sms) return launch(std::integral_constant<int, 256>{});
+  if ((p.rows + 127) / 128 * weight_tiles >= sms) return launch(std::integral_constant<int, 128>{});
+  return launch(std::integral_constant<int, 64>{});
+}
+
+// The grid of a warpgroup kernel: weight tiles along x, activation tiles along y.
+template <typename T>
+dim3 tile_grid(const PathParams<T>& p, int rows_per_tile) {
+  return dim3(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW),
+              static_cast<unsigned>((p.rows + rows_per_tile - 1) / rows_per_tile));
+}
+
+}  // namespace sm90
+}  // namespace nmcli
