@@ -122,7 +122,7 @@ __device__ __forceinline__ void wgmma(float (&d)[kWidth / 2], uint64_t a_desc, u
 // 4g + 1 of each warp supply the metadata (sparsity selector 0): bits [0, 16) for row g and
 // [16, 32) for row g + 8 of the warp's 16, lane 4g for K positions 0..15 and lane 4g + 1 for
 // 16..31, each 4-position group in 4 bits (two 2-bit offsets, the first in the low bits).
-// Measured on the H100 (scratch probe that moved one group's offsets at a time).
+// Measured on the H100: kernels/bench/sp_metadata_probe.cu.
 #define NMCLI_WGMMA_SP(SHAPE, TYPE, REGS, OPERANDS, ...) \
   asm volatile("wgmma.mma_async.sp.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" REGS "}, " OPERANDS ", 0, 1, 1, 1, 0, 0;" \
                : __VA_ARGS__ : "l"(a_desc), "l"(b_desc), "r"(meta))

@@ -10,9 +10,10 @@
 // it (lanes 4g and 4g + 1 of a warp, rows g and g + 8; wgmma_ops.cuh) -- no expansion at all.
 // The activation tile, block shape and epilogue are the ones of wgmma.cu (wgmma_tile.cuh); the
 // steps run in groups so that metadata registers are only written with no MMA in flight (see
-// the kernel). Measured (BENCHMARKS.md, session 9): 1.7-1.85x the expanding kernel at 4096 rows,
-// 0.71-0.82x cuBLAS dense there; a metadata write per step with one step in flight made ptxas
-// serialize the MMAs, and draining every step cost 8-13% against the groups.
+// the kernel). Measured (BENCHMARKS.md, session 9): 1.68-1.85x the expanding kernel at 4096
+// rows on the LLaMA shapes, 0.71-0.82x cuBLAS dense there. Writing a step's metadata while the
+// previous step's MMAs ran gave wrong results with the 256-row tile, two alternating sets made
+// ptxas serialize the MMAs, and draining after every step cost 8-13% against the groups.
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
