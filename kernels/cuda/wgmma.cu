@@ -291,16 +291,6 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
 #endif
 }
 
-template <typename T, int kN, int kM, int kRows>
-cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
-  constexpr size_t kSmem = Layout<kN, kM, kRows>::kBytes;
-  static_assert(kSmem <= 227 * 1024, "shared memory per block");
-  if (cudaError_t e = allow_dynamic_smem<wgmma_kernel<T, kN, kM, kRows>>(static_cast<int>(kSmem)); e != cudaSuccess)
-    return e;
-  wgmma_kernel<T, kN, kM, kRows><<<sm90::tile_grid(p, kRows), kThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
-}
-
 // Calls fn(N, M) with the family as compile-time constants (std::integral_constant), or
 // fn(0, 0) for a family wgmma.cu does not compile: the one list of the path's families.
 template <typename Fn>
@@ -332,10 +322,15 @@ cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
   if constexpr (sizeof(T) != 2) {
     return cudaErrorInvalidValue;
   } else {
-    if (p.k % 8 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0 || !wgmma_device()) return cudaErrorInvalidValue;
+    if (!sm90::runs_here(p)) return cudaErrorInvalidValue;
     return with_family(p.n, p.m, [&](auto kN, auto kM) {
-      if constexpr (kN() == 0) return cudaErrorInvalidValue;
-      else return sm90::launch_widest(p, [&](auto rows) { return launch<T, kN(), kM(), rows()>(p, stream); });
+      if constexpr (kN() == 0) {
+        return cudaErrorInvalidValue;
+      } else {
+        return sm90::launch_widest(p, [&](auto rows) {
+          return sm90::launch_tiles<wgmma_kernel<T, kN(), kM(), rows()>, rows(), Layout<kN(), kM(), rows()>::kBytes>(p, stream);
+        });
+      }
     });
   }
 }

@@ -105,16 +105,21 @@ __device__ __forceinline__ uint64_t sw64_desc(uint32_t addr) {
   NMCLI_WGMMA_SS("m64n256k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63 ", " NMCLI_WGMMA_REGS_64_127, \
                  "%128, %129", NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32), NMCLI_WGMMA_ACC32(64), NMCLI_WGMMA_ACC32(96))
 
+// The body of a wrapper templated on <kWidth, kBf16>: the instruction macro (taking the type
+// name) for the activation-tile width, with the type the template asks for.
+#define NMCLI_WGMMA_FOR_WIDTH(N64, N128, N256) \
+  static_assert(kWidth == 64 || kWidth == 128 || kWidth == 256, "activation tile widths we launch"); \
+  if constexpr (kWidth == 64) { \
+    if constexpr (kBf16) N64("bf16"); else N64("f16"); \
+  } else if constexpr (kWidth == 128) { \
+    if constexpr (kBf16) N128("bf16"); else N128("f16"); \
+  } else { \
+    if constexpr (kBf16) N256("bf16"); else N256("f16"); \
+  }
+
 template <int kWidth, bool kBf16>
 __device__ __forceinline__ void wgmma(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc) {
-  static_assert(kWidth == 64 || kWidth == 128 || kWidth == 256, "activation tile widths we launch");
-  if constexpr (kWidth == 64) {
-    if constexpr (kBf16) NMCLI_WGMMA_SS_M64N64K16("bf16"); else NMCLI_WGMMA_SS_M64N64K16("f16");
-  } else if constexpr (kWidth == 128) {
-    if constexpr (kBf16) NMCLI_WGMMA_SS_M64N128K16("bf16"); else NMCLI_WGMMA_SS_M64N128K16("f16");
-  } else {
-    if constexpr (kBf16) NMCLI_WGMMA_SS_M64N256K16("bf16"); else NMCLI_WGMMA_SS_M64N256K16("f16");
-  }
+  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SS_M64N64K16, NMCLI_WGMMA_SS_M64N128K16, NMCLI_WGMMA_SS_M64N256K16)
 }
 
 // D[64 x N] += A[64 x 32] * B[32 x N] with A 2:4-sparse: the descriptor's tile holds A's 16 stored
@@ -138,14 +143,7 @@ __device__ __forceinline__ void wgmma(float (&d)[kWidth / 2], uint64_t a_desc, u
 
 template <int kWidth, bool kBf16>
 __device__ __forceinline__ void wgmma_sp(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc, uint32_t meta) {
-  static_assert(kWidth == 64 || kWidth == 128 || kWidth == 256, "activation tile widths we launch");
-  if constexpr (kWidth == 64) {
-    if constexpr (kBf16) NMCLI_WGMMA_SP_M64N64K32("bf16"); else NMCLI_WGMMA_SP_M64N64K32("f16");
-  } else if constexpr (kWidth == 128) {
-    if constexpr (kBf16) NMCLI_WGMMA_SP_M64N128K32("bf16"); else NMCLI_WGMMA_SP_M64N128K32("f16");
-  } else {
-    if constexpr (kBf16) NMCLI_WGMMA_SP_M64N256K32("bf16"); else NMCLI_WGMMA_SP_M64N256K32("f16");
-  }
+  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SP_M64N64K32, NMCLI_WGMMA_SP_M64N128K32, NMCLI_WGMMA_SP_M64N256K32)
 }
 
 }  // namespace sm90

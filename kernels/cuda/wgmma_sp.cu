@@ -173,15 +173,6 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) 
 #endif
 }
 
-template <typename T, int kRows>
-cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
-  constexpr size_t kSmem = SpLayout<kRows>::kBytes;
-  static_assert(kSmem <= 227 * 1024, "shared memory per block");
-  if (cudaError_t e = allow_dynamic_smem<wgmma_sp_kernel<T, kRows>>(static_cast<int>(kSmem)); e != cudaSuccess) return e;
-  wgmma_sp_kernel<T, kRows><<<sm90::tile_grid(p, kRows), kThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 bool wgmma_sp_family(int n, int m) { return n == 2 && m == 4; }
@@ -191,9 +182,10 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
   if constexpr (sizeof(T) != 2) {
     return cudaErrorInvalidValue;
   } else {
-    if (!wgmma_sp_family(p.n, p.m) || p.k % 8 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0 || !wgmma_device())
-      return cudaErrorInvalidValue;
-    return sm90::launch_widest(p, [&](auto rows) { return launch<T, rows()>(p, stream); });
+    if (!wgmma_sp_family(p.n, p.m) || !sm90::runs_here(p)) return cudaErrorInvalidValue;
+    return sm90::launch_widest(p, [&](auto rows) {
+      return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), SpLayout<rows()>::kBytes>(p, stream);
+    });
   }
 }
 

@@ -1,6 +1,7 @@
 // The pieces both warpgroup kernels share (wgmma.cu: the weight expanded to a dense tile;
 // wgmma_sp.cu: 2:4 weights on the sparse tensor cores): the block shape, the activation tile's
-// asynchronous copy, the epilogue and the choice of activation-tile width. sm_90a only.
+// asynchronous copy, the epilogue, the calls they can run, the choice of activation-tile width
+// and the launch. sm_90a only.
 #pragma once
 #include "common.cuh"
 #include "kernels.cuh"
@@ -83,11 +84,22 @@ cudaError_t launch_widest(const PathParams<T>& p, Launch&& launch) {
   return launch(std::integral_constant<int, 64>{});
 }
 
-// The grid of a warpgroup kernel: weight tiles along x, activation tiles along y.
+// Whether a warpgroup kernel can run the call: 16-byte activation copies (K % 8 == 0, x 16-byte
+// aligned) on a device that runs sm_90a code.
 template <typename T>
-dim3 tile_grid(const PathParams<T>& p, int rows_per_tile) {
-  return dim3(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW),
-              static_cast<unsigned>((p.rows + rows_per_tile - 1) / rows_per_tile));
+bool runs_here(const PathParams<T>& p) {
+  return p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && wgmma_device();
+}
+
+// Launches a warpgroup kernel with kRows-row activation tiles and kSmem bytes of dynamic shared
+// memory: weight tiles along x, activation tiles along y.
+template <auto kKernel, int kRows, size_t kSmem, typename T>
+cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream) {
+  static_assert(kSmem <= 227 * 1024, "shared memory per block");
+  if (cudaError_t e = allow_dynamic_smem<kKernel>(static_cast<int>(kSmem)); e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW), static_cast<unsigned>((p.rows + kRows - 1) / kRows));
+  kKernel<<<grid, kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace sm90
