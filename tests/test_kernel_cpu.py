@@ -85,7 +85,12 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(4096, 2, 4, 4096, 4096, "float16") == ("wgmma_sp" if sm90 else "mma")
     assert _kernels.cuda_path(512, 2, 4, 4096, 11008, "bfloat16") == ("wgmma_sp" if sm90 else "mma")
     assert _kernels.cuda_path(256, 2, 4, 1024, 1024, "float16") == "mma"
-    assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 2, 8, "float16", 4096)
+    # 1:4, 2:8 and 1:8 run on it regrouped into 2:4 form; 4:16 and 4:8 do not fit 2 of every 4.
+    for n, m in ((1, 4), (2, 8), (1, 8)):
+        assert _kernels.cuda_path_supported("wgmma_sp", 4096, n, m, "float16", 4096) == sm90
+        assert _kernels.cuda_path(1024, n, m, 4096, 11008, "float16") == ("wgmma_sp" if sm90 else "mma")
+    assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 4, 16, "float16", 4096)
+    assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 4, 8, "bfloat16", 4096)
     assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 2, 4, "float32", 4096)
     assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float32") == "tiled"
     assert _kernels.cuda_path(17, 3, 7, 4096, 4096, "float16") == "tiled"

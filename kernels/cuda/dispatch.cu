@@ -6,9 +6,10 @@
 // where it applies (fp16/bf16, K % 8 == 0, the families wgmma.cu compiles: it is 1.1-3.3x the
 // mma path there, while at 64 rows the mma path's split-K wins on 3 of 5 LLaMA shapes) and its
 // grid has at least 48 blocks (narrow outputs at a few hundred rows leave most SMs idle: 256 x
-// 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks) -- for 2:4 its
-// sparse-tensor-core twin (wgmma_sp.cu; session 9, --path wgmma|wgmma_sp at 512 and 4096 rows:
-// 1.7-2.8x the expanding kernel on the five LLaMA shapes); from
+// 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks) -- for 2:4, 1:4,
+// 2:8 and 1:8 its sparse-tensor-core twin (wgmma_sp.cu; --path wgmma|wgmma_sp on the LLaMA
+// shapes: 2:4 1.7-2.8x the expanding kernel at 512 and 4096 rows, session 9; the regrouped
+// families 1.35-1.9x at 128-4096 rows, session 10); from
 // 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a
 // cluster keeps small row counts fast), except at 9..16 rows for N/M <= 1/4 when the decode kernel
 // stages the whole K at once (session 8, --path decode|mma at 12 and 16 rows: decode 1.06-1.33x

@@ -28,7 +28,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "wgmma_tile.cuh"
+#include "wgmma_packed.cuh"
 
 namespace nmcli {
 namespace {
@@ -37,19 +37,11 @@ using sm90::kBK;
 using sm90::kThreads;
 using sm90::kTileW;
 
+// Expansion by selector table (N <= 2) or by comparing offsets (N >= 4).
 template <int kN, int kM>
-struct Family {
-  static constexpr int kBits = index_bits(kM);
-  static constexpr int kEntries = kBK / kM * kN;              // stored entries per weight row per step
-  static constexpr int kValueBytes = kEntries * 2;             // >= 16 because M <= 8N
-  static constexpr int kValueChunks = kValueBytes / 16;
-  static constexpr int kOffsetWords = (kEntries * kBits + 31) / 32;  // a step's offset bits
-  static constexpr int kIndexWords = kOffsetWords + 1;               // ... copied from any start bit
-  static constexpr int kGroupBits = kN * kBits;                      // offset bits of one group
-  static constexpr bool kTable = kN <= 2;                            // selector-table expansion
-  static constexpr int kTableEntries = kTable ? (1 << kGroupBits) * (kM / 2) : 0;
-  static_assert(kValueBytes % 16 == 0, "a step must hold whole 16-byte runs of values");
-  static_assert(kM == 4 || kM == 8 || kM == 16, "a pair of positions must not straddle groups");
+struct Family : sm90::Family<kN, kM> {
+  static constexpr bool kTable = kN <= 2;
+  static constexpr int kTableEntries = kTable ? (1 << (kN * index_bits(kM))) * (kM / 2) : 0;
 };
 
 template <int kN, int kM, int kRows>
@@ -57,71 +49,27 @@ struct Layout {
   using F = Family<kN, kM>;
   static constexpr int kStages = kRows >= 256 ? 4 : 5;
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;  // activation tile per stage
-  static constexpr size_t kValues = static_cast<size_t>(kTileW) * F::kValueBytes;
-  static constexpr size_t kIndex = static_cast<size_t>(kTileW) * F::kIndexWords * 4;
-  static constexpr size_t kStage = (kX + kValues + kIndex + 1023) / 1024 * 1024;
+  static constexpr size_t kValues = F::kValues;                   // then the packed tile
+  static constexpr size_t kStage = (kX + F::kTileBytes + 1023) / 1024 * 1024;
   static constexpr size_t kA = static_cast<size_t>(kTileW) * 128;  // one dense weight tile
   static constexpr size_t kAOffset = kStages * kStage;              // two of them, then the table
   static constexpr size_t kTableOffset = kAOffset + 2 * kA;
   static constexpr size_t kBytes = kTableOffset + F::kTableEntries * 2 + 1024;  // + slack to align
 };
 
-// Copies a step's activation tile and packed weight tile into its stage. Every thread copies
-// the same chunks of every step, so the addresses are computed once; per step only K moves.
+// Copies a step's activation tile and packed weight tile into its stage.
 template <typename T, int kN, int kM, int kRows>
 struct StepLoader {
-  using F = Family<kN, kM>;
   using L = Layout<kN, kM, kRows>;
-  static constexpr int kV = (kTileW * F::kValueChunks + kThreads - 1) / kThreads;   // 16-byte chunks
-  static constexpr int kI = (kTileW * F::kIndexWords + kThreads - 1) / kThreads;    // 4-byte words
-
   sm90::ActivationLoader<T, kRows> x;
-  const T* v[kV];
-  uint32_t v_dst[kV];
-  bool v_ok[kV];
-  const uint32_t* w[kI];    // index words of the row, at word 0
-  uint32_t w_dst[kI];
-  int w_col[kI];
-  bool w_ok[kI];
+  sm90::PackedLoader<T, kN, kM> w;
 
-  __device__ __forceinline__ StepLoader(const PathParams<T>& p, int64_t w0, int64_t r0) : x(p, r0) {
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      const int i = tid + j * kThreads, row = i / F::kValueChunks, c = i % F::kValueChunks;
-      v_ok[j] = i < kTileW * F::kValueChunks && w0 + row < p.nout;
-      v[j] = p.values + (v_ok[j] ? (w0 + row) * p.row_len + c * 8 : 0);
-      v_dst[j] = static_cast<uint32_t>(L::kX) + row * F::kValueBytes + c * 16;
-    }
-#pragma unroll
-    for (int j = 0; j < kI; ++j) {
-      const int i = tid + j * kThreads, row = i / F::kIndexWords, c = i % F::kIndexWords;
-      w_ok[j] = i < kTileW * F::kIndexWords && w0 + row < p.nout;
-      w[j] = p.indices + (w_ok[j] ? (w0 + row) * p.index_words : 0);
-      w_col[j] = c;
-      w_dst[j] = static_cast<uint32_t>(L::kX + L::kValues) + (row * F::kIndexWords + c) * 4;
-    }
-  }
+  __device__ __forceinline__ StepLoader(const PathParams<T>& p, int64_t w0, int64_t r0) : x(p, r0), w(p, w0) {}
 
   __device__ __forceinline__ void load(const PathParams<T>& p, uint8_t* stage, int64_t t) const {
     const uint32_t base = sm90::smem_addr(stage);
     x.load(p, base, t);
-    const int64_t j0 = t * F::kEntries;  // the step's first stored entry
-    const bool in_row = j0 < p.row_len;
-#pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      if (kTileW * F::kValueChunks % kThreads != 0 && threadIdx.x + j * kThreads >= kTileW * F::kValueChunks) break;
-      const bool ok = v_ok[j] && in_row;
-      sm90::cp_async16(base + v_dst[j], ok ? v[j] + j0 : p.values, ok);
-    }
-    const int64_t word0 = (j0 * F::kBits) >> 5;
-#pragma unroll
-    for (int j = 0; j < kI; ++j) {
-      if (kTileW * F::kIndexWords % kThreads != 0 && threadIdx.x + j * kThreads >= kTileW * F::kIndexWords) break;
-      const int64_t word = word0 + w_col[j];
-      const bool ok = w_ok[j] && word < p.index_words;
-      sm90::cp_async4(base + w_dst[j], ok ? w[j] + word : p.indices, ok);
-    }
+    w.load(p, base + static_cast<uint32_t>(L::kX), t);
   }
 };
 
@@ -193,7 +141,7 @@ __device__ __forceinline__ void expand_step(const uint8_t* stage, int64_t t, int
                                             const uint16_t* table, int q) {
   using F = Family<kN, kM>;
   using L = Layout<kN, kM, kRows>;
-  const int first_bit = static_cast<int>((t * F::kEntries * F::kBits) & 31);
+  const int first_bit = F::first_bit(t);
   // M = 4 has two groups per 8-position half: the thread's one depends on q.
   const int qgroup = kM == 4 ? q >> 1 : 0;
   const int pair_in_group = kM == 4 ? (q & 1) : q;  // + 4h for M = 16

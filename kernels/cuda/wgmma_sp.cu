@@ -1,5 +1,7 @@
-// Sparse warpgroup path (Hopper, sm_90a) for 2:4 weights in fp16/bf16: the sparse tensor cores
-// (wgmma.mma_async.sp) do half the multiplies of a dense tile, and the weight is never expanded.
+// Sparse warpgroup path (Hopper, sm_90a) for 2:4, 1:4, 2:8 and 1:8 weights in fp16/bf16: the
+// sparse tensor cores (wgmma.mma_async.sp) do half the multiplies of a dense tile, and the weight
+// is never expanded. 2:4 goes to the instruction as stored (wgmma_sp_kernel); the sparser
+// patterns are regrouped into 2:4 form in shared memory first (wgmma_regroup_kernel, below).
 //
 // Y^T = W^T X^T as in wgmma.cu, but A = the weight stays packed: a 2:4 row of the packed format
 // (docs/FORMAT.md) is exactly the instruction's A operand, 2 stored values per group of 4 in
@@ -20,7 +22,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "wgmma_tile.cuh"
+#include "wgmma_packed.cuh"
 
 namespace nmcli {
 namespace {
@@ -173,18 +175,257 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) 
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// 1:4, 2:8 and 1:8 on the same instruction: N <= 2 with M a multiple of 4 puts at most 2 entries
+// in every 4 consecutive K positions, so each step's packed tile is regrouped in shared memory
+// into the 2:4 form above (2 values per 4 positions, a zero where a block holds fewer entries,
+// offsets as metadata). The tensor cores then do the work of 2:4 -- half a dense tile -- and the
+// regrouping writes half the bytes the expanding kernel (wgmma.cu) writes for a dense tile.
+// Measured (BENCHMARKS.md, session 10): 1.35-1.9x the expanding kernel at 128-4096 rows on the
+// LLaMA shapes; 0.61-0.66x cuBLAS dense at 4096 rows for 2:8, against 0.72-0.82x for 2:4 as stored.
+
+// A thread regroups one 16-position chunk (a 16-byte chunk of the 2:4 tile) of two rows per step.
+template <int kN, int kM>
+struct Regroup {
+  using F = sm90::Family<kN, kM>;
+  static constexpr int kChunkGroups = 16 / kM;           // packed groups in a chunk
+  static constexpr int kChunkEntries = kChunkGroups * kN;
+  static constexpr int kChunkBits = kChunkEntries * F::kBits;
+  static constexpr int kBlocks = kM / 4;                 // 4-position blocks of a group
+  static constexpr int kCodes = 1 << F::kGroupBits;      // a group's offset bits, as a table index
+  static_assert(kN <= 2 && (kM == 4 || kM == 8), "at most 2 entries in every 4 positions, blocks inside groups");
+  static_assert(kChunkEntries * 2 == 8 || kChunkEntries * 2 == 4, "a chunk's values are read as one word or two");
+};
+
+// Table entry `code` for a group whose offset bits are `code`: x holds, per 4-position block b
+// of the group, the byte-permute selector (bits 16b..16b+15) that turns the group's stored values
+// (entry e in bytes 2e, 2e + 1 of a word; 4 = a zero byte) into the block's two 2:4 values, and
+// y the block's metadata nibble (bits 4b..4b+3). A block with one entry at position p pairs it
+// with a zero at 3 (or at 2 when p = 3), an empty block holds zeros at (0, 1): metadata is always
+// two increasing positions. A repeated offset -- the (0, 0) of padding, whose values are zero --
+// counts once.
+template <int kN, int kM>
+__device__ __forceinline__ void fill_regroup_table(uint2* table) {
+  using R = Regroup<kN, kM>;
+  constexpr int kBits = R::F::kBits;
+  for (int code = threadIdx.x; code < R::kCodes; code += kThreads) {
+    uint32_t selectors = 0, metadata = 0;
+    for (int b = 0; b < R::kBlocks; ++b) {
+      // The block's first and second entries: positions p0, p1 inside it, stored entries e0, e1.
+      int count = 0, p0 = 0, p1 = 0, e0 = 0, e1 = 0, previous = -1;
+      for (int e = 0; e < kN; ++e) {
+        const int off = (code >> (e * kBits)) & ((1 << kBits) - 1);
+        if (off == previous || off / 4 != b) continue;
+        previous = off;
+        if (count == 0) p0 = off % 4, e0 = e;
+        else p1 = off % 4, e1 = e;
+        ++count;
+      }
+      auto bytes = [](int e) { return static_cast<uint32_t>(2 * e) | static_cast<uint32_t>(2 * e + 1) << 4; };
+      uint32_t sel, nibble;
+      if (count == 0) sel = 0x4444u, nibble = 0u | 1u << 2;
+      else if (count == 1 && p0 < 3) sel = bytes(e0) | 0x44u << 8, nibble = p0 | 3u << 2;
+      else if (count == 1) sel = 0x44u | bytes(e0) << 8, nibble = 2u | 3u << 2;
+      else sel = bytes(e0) | bytes(e1) << 8, nibble = p0 | p1 << 2;
+      selectors |= sel << (16 * b);
+      metadata |= nibble << (4 * b);
+    }
+    table[code] = make_uint2(selectors, metadata);
+  }
+}
+
+// Regroups this thread's part of step t: K positions 16q..16q+15 of block-tile rows `row` and
+// row + 8, from the packed tile into the 2:4 tile (64-byte swizzle, as SpStepLoader lays it out)
+// and their metadata word (row in bits 0-15, row + 8 in 16-31) into `meta`. Lanes 4g and 4g + 1
+// of the warp read the words of chunks 2s and 2s + 1 for MMA s (wgmma_ops.cuh).
+template <int kN, int kM>
+__device__ __forceinline__ void regroup_step(const uint8_t* packed, int64_t t, int row, int q, uint8_t* a_tile,
+                                             uint32_t* meta, const uint2* table) {
+  using R = Regroup<kN, kM>;
+  using F = typename R::F;
+  const int bit = F::first_bit(t) + q * R::kChunkBits, word = bit >> 5, shift = bit & 31;
+  uint32_t metadata = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row + 8 * h;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(packed + F::kValues) + r * F::kIndexWords;
+    // The chunk's offset bits never reach past the step's copied words (min keeps the read in them).
+    const uint32_t codes = __funnelshift_r(words[word], words[min(word + 1, F::kIndexWords - 1)], shift);
+    const uint8_t* values = packed + r * F::kValueBytes + q * R::kChunkEntries * 2;
+    uint32_t v[2];
+    if constexpr (R::kChunkEntries * 2 == 8) {
+      const uint2 u = *reinterpret_cast<const uint2*>(values);
+      v[0] = u.x, v[1] = u.y;
+    } else {
+      v[0] = *reinterpret_cast<const uint32_t*>(values), v[1] = 0;
+    }
+    uint32_t out[4], m16 = 0;
+#pragma unroll
+    for (int i = 0; i < R::kChunkGroups; ++i) {
+      const uint2 e = table[(codes >> (i * F::kGroupBits)) & (R::kCodes - 1)];
+      const uint32_t group = kN == 2 ? v[i] : v[i >> 1] >> (16 * (i & 1));
+#pragma unroll
+      for (int b = 0; b < R::kBlocks; ++b) out[i * R::kBlocks + b] = __byte_perm(group, 0u, e.x >> (16 * b));
+      m16 |= e.y << (4 * R::kBlocks * i);
+    }
+    *reinterpret_cast<uint4*>(a_tile + r * kStored * 2 + ((q ^ ((r >> 1) & 3)) << 4)) = make_uint4(out[0], out[1], out[2], out[3]);
+    metadata |= m16 << (16 * h);
+  }
+  *meta = metadata;
+}
+
+// Rings of 2G steps each: activation tiles, regrouped 2:4 tiles, packed tiles, metadata words.
+template <int kN, int kM, int kRows>
+struct RegroupLayout {
+  using F = sm90::Family<kN, kM>;
+  static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
+  static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
+  static constexpr size_t kPacked = (F::kTileBytes + 127) / 128 * 128;
+  static constexpr size_t kMeta = kThreads * 4;
+  static constexpr size_t kStep = kX + kA + kPacked + kMeta;
+  static constexpr int kGroup = std::min<int>(4, static_cast<int>(216 * 1024 / kStep) / 2);
+  static constexpr int kStages = 2 * kGroup;
+  static constexpr size_t kAOffset = kStages * kX;  // 1024-aligned: the activation tiles are
+  static constexpr size_t kPackedOffset = kAOffset + kStages * kA;
+  static constexpr size_t kMetaOffset = kPackedOffset + kStages * kPacked;
+  static constexpr size_t kTableOffset = kMetaOffset + kStages * kMeta;
+  static constexpr size_t kBytes = kTableOffset + Regroup<kN, kM>::kCodes * 8 + 1024;  // + slack to align
+  static_assert(kGroup >= 2, "a group of steps in the MMAs while the next group is regrouped");
+};
+
+// The loop of wgmma_sp_kernel with one more stage: group k's MMAs run while group k + 1 is
+// regrouped from its packed tiles (copied during group k - 1) and the packed tiles of group
+// k + 2 and the activation tiles of group k + 1 are copied. Metadata registers are again only
+// written with no MMA in flight: a group reads its words from shared memory first.
+template <typename T, int kN, int kM, int kRows>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = RegroupLayout<kN, kM, kRows>;
+  constexpr int S = L::kStages, G = L::kGroup;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
+  uint2* table = reinterpret_cast<uint2*>(smem + L::kTableOffset);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, wg = warp >> 2;
+  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int64_t steps = ((p.groups * kM + kBK - 1) / kBK + G - 1) / G * G;  // whole groups of steps
+  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+  auto x_tile = [&](int64_t t) { return smem + (t % S) * L::kX; };
+  auto a_tile = [&](int64_t t) { return smem + L::kAOffset + (t % S) * L::kA; };
+  auto packed = [&](int64_t t) { return smem + L::kPackedOffset + (t % S) * L::kPacked; };
+  auto meta = [&](int64_t t) { return reinterpret_cast<uint32_t*>(smem + L::kMetaOffset + (t % S) * L::kMeta); };
+
+  const sm90::ActivationLoader<T, kRows> x_loader(p, r0);
+  const sm90::PackedLoader<T, kN, kM> w_loader(p, w0);
+  auto load_x = [&](int64_t group) {
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      if (group * G + g < steps) x_loader.load(p, sm90::smem_addr(x_tile(group * G + g)), group * G + g);
+  };
+  auto load_w = [&](int64_t group) {
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      if (group * G + g < steps) w_loader.load(p, sm90::smem_addr(packed(group * G + g)), group * G + g);
+  };
+  auto regroup = [&](int64_t group) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int64_t t = group * G + g;
+      regroup_step<kN, kM>(packed(t), t, row, q, a_tile(t), meta(t) + threadIdx.x, table);
+    }
+  };
+
+  float acc[kRows / 2];
+#pragma unroll
+  for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
+  sm90::fence_operands(acc);
+  fill_regroup_table<kN, kM>(table);
+
+  load_x(0);
+  load_w(0);
+  load_w(1);
+  sm90::cp_async_commit();
+  sm90::cp_async_wait<0>();
+  __syncthreads();  // the packed tiles of groups 0 and 1 and the table are written
+  regroup(0);
+
+  // This thread's metadata word for MMA s of a step: chunk 2s + (lane & 1) of its quad's rows.
+  const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
+  for (int64_t k = 0; k < steps / G; ++k) {
+    sm90::cp_async_wait<0>();
+    sm90::fence_async_proxy();
+    __syncthreads();  // group k's tiles are regrouped, its activations and group k + 1's packed tiles landed
+
+    uint32_t words[G][kMetaWords];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int s = 0; s < kMetaWords; ++s) words[g][s] = meta(k * G + g)[meta_reader + 2 * s];
+    sm90::fence_operands(acc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int64_t t = k * G + g;
+      const uint32_t xs = sm90::smem_addr(x_tile(t)), as = sm90::smem_addr(a_tile(t)) + wg * 64 * kStored * 2;
+#pragma unroll
+      for (int s = 0; s < kMetaWords; ++s)
+        sm90::wgmma_sp<kRows, kBf16>(acc, sm90::sw64_desc(as + s * 32), sm90::sw128_desc(xs + s * 64), words[g][s]);
+    }
+    sm90::wgmma_commit();
+    sm90::fence_operands(acc);
+    // Copies issued after the MMAs: 2-11% faster here than before them (BENCHMARKS.md, session
+    // 10); the 2:4 kernel, whose copies have no regrouping to hide behind, lost 8-24% that way.
+    load_x(k + 1);
+    load_w(k + 2);
+    sm90::cp_async_commit();
+    if (k + 1 < steps / G) regroup(k + 1);
+    sm90::wgmma_wait<0>();
+  }
+  sm90::fence_operands(acc);
+  sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
+#else
+  __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
+#endif
+}
+
+// Calls fn(N, M) with the family as compile-time constants (std::integral_constant), or
+// fn(0, 0) for a family this path does not run: the one list of the path's families.
+template <typename Fn>
+auto with_sp_family(int n, int m, Fn&& fn) {
+  using std::integral_constant;
+  switch (n * 64 + m) {
+    case 2 * 64 + 4: return fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+    case 1 * 64 + 4: return fn(integral_constant<int, 1>{}, integral_constant<int, 4>{});
+    case 2 * 64 + 8: return fn(integral_constant<int, 2>{}, integral_constant<int, 8>{});
+    case 1 * 64 + 8: return fn(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+    default: return fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
+  }
+}
+
 }  // namespace
 
-bool wgmma_sp_family(int n, int m) { return n == 2 && m == 4; }
+bool wgmma_sp_family(int n, int m) {
+  return with_sp_family(n, m, [](auto kN, auto) { return kN() != 0; });
+}
 
 template <typename T>
 cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
   if constexpr (sizeof(T) != 2) {
     return cudaErrorInvalidValue;
   } else {
-    if (!wgmma_sp_family(p.n, p.m) || !sm90::runs_here(p)) return cudaErrorInvalidValue;
-    return sm90::launch_widest(p, [&](auto rows) {
-      return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), SpLayout<rows()>::kBytes>(p, stream);
+    if (!sm90::runs_here(p)) return cudaErrorInvalidValue;
+    return with_sp_family(p.n, p.m, [&](auto kN, auto kM) {
+      if constexpr (kN() == 0) {
+        return cudaErrorInvalidValue;
+      } else {
+        return sm90::launch_widest(p, [&](auto rows) {
+          if constexpr (kN() == 2 && kM() == 4)
+            return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), SpLayout<rows()>::kBytes>(p, stream);
+          else
+            return sm90::launch_tiles<wgmma_regroup_kernel<T, kN(), kM(), rows()>, rows(),
+                                      RegroupLayout<kN(), kM(), rows()>::kBytes>(p, stream);
+        });
+      }
     });
   }
 }
