@@ -45,6 +45,7 @@ struct SpLayout {
   static constexpr int kStages = 2 * kGroup;
   static constexpr size_t kBytes = kStages * kStage + 1024;  // + slack to align the ring
   static_assert(kGroup >= 2, "a group of steps in the MMAs while the next group's copies fly");
+  static_assert(kThreads * kRows / 2 * 4 <= kStages * kStage, "reduce_split's scratch fits in the ring");
 };
 
 // Copies a step's activation tile, stored-value tile and offset words into its stage.
@@ -134,17 +135,19 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) 
   // in flight, so a group starts with no MMA in flight: it reads the metadata of all its G
   // steps, then issues their MMAs back to back and waits for them at the end. Its stages were
   // copied during the previous group, which left the stages of that group free for the next one.
+  int64_t begin, end;  // this block's steps (all of them unless K is split over a cluster)
+  sm90::split_steps<G>(steps, begin, end);
 #pragma unroll
   for (int t = 0; t < S - G; ++t)
-    if (t < steps) loader.load(p, stage_of(t), t);
+    if (begin + t < end) loader.load(p, stage_of(begin + t), begin + t);
   sm90::cp_async_commit();
-  for (int64_t t = 0; t < steps; t += G) {
+  for (int64_t t = begin; t < end; t += G) {
     sm90::cp_async_wait<0>();
     sm90::fence_async_proxy();
     __syncthreads();  // every thread's copies of steps t .. t + G - 1 landed; no MMA reads steps < t
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      if (t + S - G + g < steps) loader.load(p, stage_of(t + S - G + g), t + S - G + g);
+      if (t + S - G + g < end) loader.load(p, stage_of(t + S - G + g), t + S - G + g);
     sm90::cp_async_commit();
 
     uint32_t meta[G][kMetaWords];
@@ -169,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) 
     sm90::fence_operands(acc);
     sm90::wgmma_wait<0>();
   }
-  sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
+  if (sm90::reduce_split(acc, smem)) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -291,6 +294,7 @@ struct RegroupLayout {
   static constexpr size_t kTableOffset = kMetaOffset + kStages * kMeta;
   static constexpr size_t kBytes = kTableOffset + Regroup<kN, kM>::kCodes * 8 + 1024;  // + slack to align
   static_assert(kGroup >= 2, "a group of steps in the MMAs while the next group is regrouped");
+  static_assert(kThreads * kRows / 2 * 4 <= kTableOffset, "reduce_split's scratch fits in the rings");
 };
 
 // The loop of wgmma_sp_kernel with one more stage: group k's MMAs run while group k + 1 is
@@ -317,15 +321,17 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
 
   const sm90::ActivationLoader<T, kRows> x_loader(p, r0);
   const sm90::PackedLoader<T, kN, kM> w_loader(p, w0);
+  int64_t begin, end;  // this block's steps (all of them unless K is split over a cluster)
+  sm90::split_steps<G>(steps, begin, end);
   auto load_x = [&](int64_t group) {
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      if (group * G + g < steps) x_loader.load(p, sm90::smem_addr(x_tile(group * G + g)), group * G + g);
+      if (group * G + g < end) x_loader.load(p, sm90::smem_addr(x_tile(group * G + g)), group * G + g);
   };
   auto load_w = [&](int64_t group) {
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      if (group * G + g < steps) w_loader.load(p, sm90::smem_addr(packed(group * G + g)), group * G + g);
+      if (group * G + g < end) w_loader.load(p, sm90::smem_addr(packed(group * G + g)), group * G + g);
   };
   auto regroup = [&](int64_t group) {
 #pragma unroll
@@ -341,17 +347,18 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
   sm90::fence_operands(acc);
   fill_regroup_table<kN, kM>(table);
 
-  load_x(0);
-  load_w(0);
-  load_w(1);
+  const int64_t first = begin / G, last = end / G;  // this block's groups [first, last)
+  load_x(first);
+  load_w(first);
+  load_w(first + 1);
   sm90::cp_async_commit();
   sm90::cp_async_wait<0>();
-  __syncthreads();  // the packed tiles of groups 0 and 1 and the table are written
-  regroup(0);
+  __syncthreads();  // the packed tiles of the first two groups and the table are written
+  if (first < last) regroup(first);
 
   // This thread's metadata word for MMA s of a step: chunk 2s + (lane & 1) of its quad's rows.
   const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
-  for (int64_t k = 0; k < steps / G; ++k) {
+  for (int64_t k = first; k < last; ++k) {
     sm90::cp_async_wait<0>();
     sm90::fence_async_proxy();
     __syncthreads();  // group k's tiles are regrouped, its activations and group k + 1's packed tiles landed
@@ -378,11 +385,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
     load_x(k + 1);
     load_w(k + 2);
     sm90::cp_async_commit();
-    if (k + 1 < steps / G) regroup(k + 1);
+    if (k + 1 < last) regroup(k + 1);
     sm90::wgmma_wait<0>();
   }
   sm90::fence_operands(acc);
-  sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
+  if (sm90::reduce_split(acc, smem)) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -419,11 +426,19 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
         return cudaErrorInvalidValue;
       } else {
         return sm90::launch_widest(p, [&](auto rows) {
-          if constexpr (kN() == 2 && kM() == 4)
-            return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), SpLayout<rows()>::kBytes>(p, stream);
-          else
-            return sm90::launch_tiles<wgmma_regroup_kernel<T, kN(), kM(), rows()>, rows(),
-                                      RegroupLayout<kN(), kM(), rows()>::kBytes>(p, stream);
+          // Grids of 64-row tiles that leave SMs idle split K over a cluster: 1.4-1.8x at 128
+          // rows on the LLaMA shapes with N = 4096 (BENCHMARKS.md, session 10).
+          const int64_t tiles = (p.nout + kTileW - 1) / kTileW * ((p.rows + rows() - 1) / rows());
+          const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
+          if constexpr (kN() == 2 && kM() == 4) {
+            using L = SpLayout<rows()>;
+            const int splits = rows() == 64 ? sm90::k_splits(tiles, steps / L::kGroup) : 1;
+            return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), L::kBytes>(p, stream, splits);
+          } else {
+            using L = RegroupLayout<kN(), kM(), rows()>;
+            const int splits = rows() == 64 ? sm90::k_splits(tiles, steps / L::kGroup) : 1;
+            return sm90::launch_tiles<wgmma_regroup_kernel<T, kN(), kM(), rows()>, rows(), L::kBytes>(p, stream, splits);
+          }
         });
       }
     });

@@ -3,6 +3,10 @@
 // asynchronous copy, the epilogue, the calls they can run, the choice of activation-tile width
 // and the launch. sm_90a only.
 #pragma once
+#include <cooperative_groups.h>
+
+#include <algorithm>
+
 #include "common.cuh"
 #include "kernels.cuh"
 #include "wgmma_ops.cuh"
@@ -91,15 +95,76 @@ bool runs_here(const PathParams<T>& p) {
   return p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && wgmma_device();
 }
 
+// Blocks of a cluster that split each tile's K steps (1 = no split): when even the narrowest
+// tiles leave SMs idle, as many as still fit in one wave, at most 4, each keeping at least 2 of
+// the kernel's `units` (its groups of steps).
+inline int k_splits(int64_t tiles, int64_t units) {
+  const int64_t split = std::min<int64_t>({4, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
+  return static_cast<int>(std::max<int64_t>(1, split));
+}
+
+// This block's share of `steps` when a cluster of gridDim.z blocks splits them: whole groups of
+// kGroup steps, [begin, end).
+template <int kGroup>
+__device__ __forceinline__ void split_steps(int64_t steps, int64_t& begin, int64_t& end) {
+  const int64_t groups = steps / kGroup, per = (groups + gridDim.z - 1) / gridDim.z;
+  begin = min(static_cast<int64_t>(blockIdx.z) * per, groups) * kGroup;
+  end = min(begin + per * kGroup, steps);
+}
+
+// With K split over a cluster: every block puts its accumulators into its own shared memory
+// (`scratch`, kThreads * kCount floats, free once the main loop is done) and block 0 adds its
+// peers' through distributed shared memory. Returns whether this block stores the tile.
+template <int kCount>
+__device__ __forceinline__ bool reduce_split(float (&acc)[kCount], uint8_t* scratch) {
+  if (gridDim.z == 1) return true;
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  float* mine = reinterpret_cast<float*>(scratch);
+  cp_async_wait<0>();
+  __syncthreads();  // nobody reads the stage ring any more
+  const unsigned rank = cluster.block_rank();
+  if (rank != 0) {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) mine[i * kThreads + threadIdx.x] = acc[i];
+  }
+  cluster.sync();  // the partial tiles are written
+  if (rank == 0) {
+    for (unsigned r = 1; r < cluster.num_blocks(); ++r) {
+      const float* peer = cluster.map_shared_rank(mine, r);
+#pragma unroll
+      for (int i = 0; i < kCount; ++i) acc[i] += peer[i * kThreads + threadIdx.x];
+    }
+  }
+  cluster.sync();  // peers' shared memory must outlive the reads above
+  return rank == 0;
+}
+
 // Launches a warpgroup kernel with kRows-row activation tiles and kSmem bytes of dynamic shared
-// memory: weight tiles along x, activation tiles along y.
+// memory: weight tiles along x, activation tiles along y, and `splits` blocks of a cluster along
+// z splitting K (the kernel then calls split_steps and reduce_split).
 template <auto kKernel, int kRows, size_t kSmem, typename T>
-cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream) {
+cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream, int splits = 1) {
   static_assert(kSmem <= 227 * 1024, "shared memory per block");
   if (cudaError_t e = allow_dynamic_smem<kKernel>(static_cast<int>(kSmem)); e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW), static_cast<unsigned>((p.rows + kRows - 1) / kRows));
-  kKernel<<<grid, kThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  if (splits == 1) {
+    kKernel<<<grid, kThreads, kSmem, stream>>>(p);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid.x, grid.y, static_cast<unsigned>(splits));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmem;
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = 1;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = static_cast<unsigned>(splits);
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kKernel, p);
 }
 
 }  // namespace sm90
