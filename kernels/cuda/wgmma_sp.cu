@@ -425,20 +425,13 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
       if constexpr (kN() == 0) {
         return cudaErrorInvalidValue;
       } else {
-        return sm90::launch_widest(p, [&](auto rows) {
-          // Grids of 64-row tiles that leave SMs idle split K over a cluster: 1.4-1.8x at 128
-          // rows on the LLaMA shapes with N = 4096 (BENCHMARKS.md, session 10).
-          const int64_t tiles = (p.nout + kTileW - 1) / kTileW * ((p.rows + rows() - 1) / rows());
-          const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
-          if constexpr (kN() == 2 && kM() == 4) {
-            using L = SpLayout<rows()>;
-            const int splits = rows() == 64 ? sm90::k_splits(tiles, steps / L::kGroup) : 1;
-            return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), L::kBytes>(p, stream, splits);
-          } else {
-            using L = RegroupLayout<kN(), kM(), rows()>;
-            const int splits = rows() == 64 ? sm90::k_splits(tiles, steps / L::kGroup) : 1;
-            return sm90::launch_tiles<wgmma_regroup_kernel<T, kN(), kM(), rows()>, rows(), L::kBytes>(p, stream, splits);
-          }
+        const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
+        return sm90::launch_split(p, steps, [&](auto rows, int splits) {
+          if constexpr (kN() == 2 && kM() == 4)
+            return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), SpLayout<rows()>::kBytes>(p, stream, splits);
+          else
+            return sm90::launch_tiles<wgmma_regroup_kernel<T, kN(), kM(), rows()>, rows(),
+                                      RegroupLayout<kN(), kM(), rows()>::kBytes>(p, stream, splits);
         });
       }
     });

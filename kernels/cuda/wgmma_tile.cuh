@@ -95,12 +95,37 @@ bool runs_here(const PathParams<T>& p) {
   return p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && wgmma_device();
 }
 
-// Blocks of a cluster that split each tile's K steps (1 = no split): when even the narrowest
-// tiles leave SMs idle, as many as still fit in one wave, at most 4, each keeping at least 2 of
-// the kernel's `units` (its groups of steps).
+// Blocks of a cluster that split each tile's K steps (1 = no split): 2 when the tiles leave at
+// least half the SMs idle and each block keeps at least 2 of `units`. Allowing 4 made
+// launch_split pick 4-way splits of 128- and 256-row tiles at 128 and 256 rows, 1.05-1.9x slower
+// than the 2-way splits of 64-row tiles before (BENCHMARKS.md, session 10).
 inline int k_splits(int64_t tiles, int64_t units) {
-  const int64_t split = std::min<int64_t>({4, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
+  const int64_t split = std::min<int64_t>({2, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
   return static_cast<int>(std::max<int64_t>(1, split));
+}
+
+// The sparse kernels' activation-tile width and K split: the (width, split) with the least
+// estimated time, waves x steps per block x the cost of a step of that width relative to a
+// 64-row step (1.5 for 256 rows, 1.2 for 128, roughly as measured per step in session 10; ties
+// go to the wider tile, which reads each weight tile fewer times). Against "the widest tile that
+// fills the GPU" (launch_widest): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x at 256 rows
+// with N >= 11008, 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
+// launch(std::integral_constant<int, kRows>, splits) starts the kernel.
+template <typename T, typename Launch>
+cudaError_t launch_split(const PathParams<T>& p, int64_t steps, Launch&& launch) {
+  const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
+  int best_rows = 256, best_split = 1;
+  double best = 0.0;
+  for (const int rows : {256, 128, 64}) {
+    const int64_t tiles = weight_tiles * ((p.rows + rows - 1) / rows);
+    const int split = k_splits(tiles, steps / 4);
+    const double cost = rows == 256 ? 1.5 : rows == 128 ? 1.2 : 1.0;
+    const double time = static_cast<double>((tiles * split + sms - 1) / sms) * ((steps + split - 1) / split) * cost;
+    if (rows == 256 || time < best) best = time, best_rows = rows, best_split = split;
+  }
+  if (best_rows == 256) return launch(std::integral_constant<int, 256>{}, best_split);
+  if (best_rows == 128) return launch(std::integral_constant<int, 128>{}, best_split);
+  return launch(std::integral_constant<int, 64>{}, best_split);
 }
 
 // This block's share of `steps` when a cluster of gridDim.z blocks splits them: whole groups of
