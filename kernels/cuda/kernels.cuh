@@ -55,6 +55,26 @@ int compute_capability();
 // (compute capability 9.0+) and NMCLI_NO_PDL is unset (for A/B measurements).
 bool use_pdl();
 
+// Launches `kernel` with grid.z = `split` blocks of one cluster along z, which split each tile's
+// K steps between them (the mma and warpgroup paths' split-K; sm_90).
+template <typename... Params, typename... Args>
+cudaError_t launch_split_k(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem, cudaStream_t stream,
+                           int split, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid.x, grid.y, static_cast<unsigned>(split));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = 1;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = static_cast<unsigned>(split);
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 // Raises kKernel's dynamic shared-memory cap to `bytes` on the current device, once per device
 // (every launch of a kernel asks for the same cap).
 template <auto kKernel>

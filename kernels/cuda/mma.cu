@@ -333,18 +333,7 @@ cudaError_t launch_tile(const PathParams<T>& p, cudaStream_t stream, bool vector
     mma_kernel<T, kN, kM, BM, BN, false><<<grid, kThreads, 0, stream>>>(p, vector_loads);
     return cudaGetLastError();
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid.x, grid.y, static_cast<unsigned>(split));
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 1;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = static_cast<unsigned>(split);
-  config.attrs = cluster;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, mma_kernel<T, kN, kM, BM, BN, true>, p, vector_loads);
+  return launch_split_k(mma_kernel<T, kN, kM, BM, BN, true>, grid, kThreads, 0, stream, split, p, vector_loads);
 }
 
 template <typename T, int kN, int kM>

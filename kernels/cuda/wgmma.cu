@@ -239,22 +239,12 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
 #endif
 }
 
-// Calls fn(N, M) with the family as compile-time constants (std::integral_constant), or
-// fn(0, 0) for a family wgmma.cu does not compile: the one list of the path's families.
+// The families wgmma.cu compiles (sm90::with_family_of).
 template <typename Fn>
 auto with_family(int n, int m, Fn&& fn) {
-  using std::integral_constant;
-  switch (n * 64 + m) {
-    case 1 * 64 + 4: return fn(integral_constant<int, 1>{}, integral_constant<int, 4>{});
-    case 2 * 64 + 4: return fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
-    case 1 * 64 + 8: return fn(integral_constant<int, 1>{}, integral_constant<int, 8>{});
-    case 2 * 64 + 8: return fn(integral_constant<int, 2>{}, integral_constant<int, 8>{});
-    case 4 * 64 + 8: return fn(integral_constant<int, 4>{}, integral_constant<int, 8>{});
-    case 4 * 64 + 16: return fn(integral_constant<int, 4>{}, integral_constant<int, 16>{});
-    case 8 * 64 + 16: return fn(integral_constant<int, 8>{}, integral_constant<int, 16>{});
-    case 2 * 64 + 16: return fn(integral_constant<int, 2>{}, integral_constant<int, 16>{});
-    default: return fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
-  }
+  using sm90::family_code;
+  return sm90::with_family_of<family_code(1, 4), family_code(2, 4), family_code(1, 8), family_code(2, 8), family_code(4, 8),
+                              family_code(4, 16), family_code(8, 16), family_code(2, 16)>(n, m, fn);
 }
 
 }  // namespace

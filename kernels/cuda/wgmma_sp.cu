@@ -395,18 +395,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
 #endif
 }
 
-// Calls fn(N, M) with the family as compile-time constants (std::integral_constant), or
-// fn(0, 0) for a family this path does not run: the one list of the path's families.
+// The families this path runs (sm90::with_family_of): 2:4 as stored, the others regrouped.
 template <typename Fn>
 auto with_sp_family(int n, int m, Fn&& fn) {
-  using std::integral_constant;
-  switch (n * 64 + m) {
-    case 2 * 64 + 4: return fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
-    case 1 * 64 + 4: return fn(integral_constant<int, 1>{}, integral_constant<int, 4>{});
-    case 2 * 64 + 8: return fn(integral_constant<int, 2>{}, integral_constant<int, 8>{});
-    case 1 * 64 + 8: return fn(integral_constant<int, 1>{}, integral_constant<int, 8>{});
-    default: return fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
-  }
+  using sm90::family_code;
+  return sm90::with_family_of<family_code(2, 4), family_code(1, 4), family_code(2, 8), family_code(1, 8)>(n, m, fn);
 }
 
 }  // namespace

@@ -77,6 +77,23 @@ __device__ __forceinline__ void store_tile(const PathParams<T>& p, const float (
   }
 }
 
+// An N:M family as one number, for the family lists of with_family_of.
+constexpr int family_code(int n, int m) { return n * 64 + m; }
+
+// Calls fn(N, M) with the family as compile-time constants (std::integral_constant) when
+// family_code(n, m) is one of kFamilies, else fn(0, 0): a warpgroup path's one list of the
+// families it compiles.
+template <int... kFamilies, typename Fn>
+auto with_family_of(int n, int m, Fn&& fn) {
+  using std::integral_constant;
+  decltype(fn(integral_constant<int, 0>{}, integral_constant<int, 0>{})) result{};
+  const int code = family_code(n, m);
+  const bool found =
+      ((code == kFamilies && (result = fn(integral_constant<int, kFamilies / 64>{}, integral_constant<int, kFamilies % 64>{}), true)) ||
+       ...);
+  return found ? result : fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
+}
+
 // The widest activation tile (256, 128 or 64 rows) that still gives every SM a block (wider
 // tiles read each weight tile fewer times; narrower ones fill the GPU at a few hundred rows).
 // launch(std::integral_constant<int, kRows>) starts the kernel.
@@ -177,19 +194,7 @@ cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream, int splits
     kKernel<<<grid, kThreads, kSmem, stream>>>(p);
     return cudaGetLastError();
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid.x, grid.y, static_cast<unsigned>(splits));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmem;
-  config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 1;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = static_cast<unsigned>(splits);
-  config.attrs = cluster;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kKernel, p);
+  return launch_split_k(kKernel, grid, kThreads, kSmem, stream, splits, p);
 }
 
 }  // namespace sm90
