@@ -66,25 +66,32 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(1, 2, 8, 4096, 4096, "float16") == "decode"
     assert _kernels.cuda_path(16, 2, 8, 4096, 4096, "float32") == "decode"
     assert _kernels.cuda_path(8, 2, 4, 11008, 4096, "float16") == "decode"
-    # 9..16 rows: decode for N/M <= 1/4 while the activations are staged in one K chunk, else mma.
+    sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
+    sp = "wgmma_sp" if sm90 else "mma"
+    # 9..16 rows: decode for N/M <= 1/4 while the activations are staged in one K chunk, else mma;
+    # 2:4 takes the sparse tensor cores (wgmma.mma_async.sp) there when its grid has 16 blocks.
     assert _kernels.cuda_path(9, 2, 8, 4096, 4096, "float16") == "decode"
     assert _kernels.cuda_path(16, 1, 8, 4096, 22016, "bfloat16") == "decode"
-    assert _kernels.cuda_path(9, 2, 4, 4096, 4096, "float16") == "mma"
+    assert _kernels.cuda_path(9, 2, 4, 4096, 4096, "float16") == sp
+    assert _kernels.cuda_path(16, 2, 4, 4096, 2048, "float16") == sp  # 16 blocks
+    assert _kernels.cuda_path(16, 2, 4, 1024, 1024, "float16") == "mma"  # 8 blocks: too few
     assert _kernels.cuda_path(16, 2, 8, 11008, 4096, "float16") == "mma"
     assert _kernels.cuda_path(16, 4, 16, 14336, 4096, "float16") == "mma"
-    assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float16") == "mma"
-    # From 128 rows the warpgroup (wgmma) path, where the device is compute capability 9.0.
-    sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
+    # From 17 rows 2:4, 1:4, 2:8 and 1:8 take the sparse tensor cores with 16 blocks or more.
+    assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float16") == sp
+    assert _kernels.cuda_path(127, 1, 8, 4096, 4096, "bfloat16") == sp
+    assert _kernels.cuda_path(64, 1, 4, 4096, 1024, "float16") == "mma"  # 8 blocks
+    assert _kernels.cuda_path(256, 2, 8, 1024, 1024, "float16") == sp  # 32 blocks
+    # From 128 rows the expanding warpgroup (wgmma) path for the other families, where the
+    # device is compute capability 9.0 and its grid has 48 blocks.
     assert _kernels.cuda_path(4096, 4, 16, 4096, 4096, "bfloat16") == ("wgmma" if sm90 else "mma")
-    assert _kernels.cuda_path(127, 2, 8, 4096, 4096, "float16") == "mma"
-    assert _kernels.cuda_path(256, 2, 8, 1024, 1024, "float16") == "mma"  # 32 wgmma blocks: too few
+    assert _kernels.cuda_path(127, 4, 8, 4096, 4096, "float16") == "mma"
+    assert _kernels.cuda_path(256, 4, 16, 1024, 1024, "float16") == "mma"  # 32 wgmma blocks: too few
     assert _kernels.cuda_path(4096, 2, 8, 4100, 4096, "float16") == "mma"  # K % 8 != 0: no 16-byte copies
     assert not _kernels.cuda_path_supported("wgmma", 4096, 2, 8, "float32", 4096)
     assert not _kernels.cuda_path_supported("wgmma", 4096, 3, 8, "float16", 4096)
-    # 2:4 takes the sparse tensor cores (wgmma.mma_async.sp) instead, under the same conditions.
-    assert _kernels.cuda_path(4096, 2, 4, 4096, 4096, "float16") == ("wgmma_sp" if sm90 else "mma")
-    assert _kernels.cuda_path(512, 2, 4, 4096, 11008, "bfloat16") == ("wgmma_sp" if sm90 else "mma")
-    assert _kernels.cuda_path(256, 2, 4, 1024, 1024, "float16") == "mma"
+    assert _kernels.cuda_path(4096, 2, 4, 4096, 4096, "float16") == sp
+    assert _kernels.cuda_path(512, 2, 4, 4096, 11008, "bfloat16") == sp
     # 1:4, 2:8 and 1:8 run on it regrouped into 2:4 form; 4:16 and 4:8 do not fit 2 of every 4.
     for n, m in ((1, 4), (2, 8), (1, 8)):
         assert _kernels.cuda_path_supported("wgmma_sp", 4096, n, m, "float16", 4096) == sm90

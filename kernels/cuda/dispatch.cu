@@ -1,20 +1,27 @@
 // Picks the path for a call and launches it.
 //
 // Rule (measured crossovers in BENCHMARKS.md, session 3: nmcli_bench --path decode|mma on
-// LLaMA shapes at 1..32 rows; session 5: --path mma|wgmma at 64..4096 rows): the decode path
-// for 1..8 activation rows; from 128 rows the warpgroup (wgmma) path on compute capability 9.0
-// where it applies (fp16/bf16, K % 8 == 0, the families wgmma.cu compiles: it is 1.1-3.3x the
-// mma path there, while at 64 rows the mma path's split-K wins on 3 of 5 LLaMA shapes) and its
-// grid has at least 48 blocks (narrow outputs at a few hundred rows leave most SMs idle: 256 x
-// 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks) -- for 2:4, 1:4,
-// 2:8 and 1:8 its sparse-tensor-core twin (wgmma_sp.cu; --path wgmma|wgmma_sp on the LLaMA
-// shapes: 2:4 1.7-2.8x the expanding kernel at 512 and 4096 rows, session 9; the regrouped
-// families 1.35-1.9x at 128-4096 rows, session 10); from
-// 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K over a
-// cluster keeps small row counts fast), except at 9..16 rows for N/M <= 1/4 when the decode kernel
-// stages the whole K at once (session 8, --path decode|mma at 12 and 16 rows: decode 1.06-1.33x
-// the mma path for 2:8 and 1:8 with K = 4096; mma ahead at 2:4 and at K = 11008 or 14336, where
-// decode stages K in two chunks); else decode up to 16 rows and the tiled SIMT path above.
+// LLaMA shapes at 1..32 rows; session 5: --path mma|wgmma at 64..4096 rows; session 11:
+// --path mma|wgmma_sp at 8..256 rows on the LLaMA and nmSPARSE shapes):
+//  * 1..8 rows: the decode path.
+//  * 2:4, 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, compute capability 9.0): the sparse tensor
+//    cores (wgmma_sp.cu) from 17 rows, and from 9 rows for 2:4, when the grid of smallest tiles
+//    (64 activation rows x 128 weight rows) has at least 16 blocks. Session 11: 1.24-4.6x the
+//    mma path at 17-96 rows on every LLaMA shape, 1.40-1.84x for 2:4 at 16 rows; with 8 blocks
+//    (Nout = 1024 below 128 rows) the mma path stays ahead (0.66-0.91x), with 16 it is behind
+//    (1.20-1.53x). At 9..16 rows 2:8, 1:8 and 1:4 keep the rule below (at 16 rows decode or
+//    mma were ahead of or level with wgmma_sp on 3 of 5 LLaMA shapes for 2:8 and 4 of 5 for
+//    1:8; at 12 rows mma was ahead for 1:4 on 3 of 5).
+//  * From 128 rows, the families the expanding warpgroup kernel (wgmma.cu) compiles when its
+//    grid has at least 48 blocks: 1.1-3.3x the mma path there, while at 64 rows the mma path's
+//    split-K wins on 3 of 5 LLaMA shapes (and narrow outputs at a few hundred rows leave most
+//    SMs idle: 256 x 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks).
+//  * From 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K
+//    over a cluster keeps small row counts fast), except at 9..16 rows for N/M <= 1/4 when the
+//    decode kernel stages the whole K at once (session 8, --path decode|mma at 12 and 16 rows:
+//    decode 1.06-1.33x the mma path for 2:8 and 1:8 with K = 4096; mma ahead at 2:4 and at
+//    K = 11008 or 14336, where decode stages K in two chunks); else decode up to 16 rows and the
+//    tiled SIMT path above.
 #include <cstdlib>
 #include <cstring>
 #include "kernels.cuh"
@@ -132,10 +139,14 @@ CudaPath choose_path(const CudaMatMul& call) {
   if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
   const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile *
                                ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);
-  if (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks) {
-    if (path_supported(call, CudaPath::wgmma_sp)) return CudaPath::wgmma_sp;
-    if (path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
-  }
+  // The sparse tensor cores from 17 rows (from 9 for 2:4, which the decode kernel never takes
+  // there) once the grid has kWgmmaSpMinBlocks blocks; their split-K keeps small grids busy.
+  const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
+  if ((call.rows > kDecodeMaxRows || two_of_four) && wgmma_blocks >= kWgmmaSpMinBlocks &&
+      path_supported(call, CudaPath::wgmma_sp))
+    return CudaPath::wgmma_sp;
+  if (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks && path_supported(call, CudaPath::wgmma))
+    return CudaPath::wgmma;
   if (path_supported(call, CudaPath::mma)) {
     // 9..16 rows: the decode kernel still wins for the sparser patterns when it stages the
     // activations once; with several K chunks, or at N/M = 1/2, the mma path does.
