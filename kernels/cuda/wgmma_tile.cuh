@@ -115,7 +115,8 @@ bool runs_here(const PathParams<T>& p) {
 // Blocks of a cluster that split each tile's K steps (1 = no split): 2 when the tiles leave at
 // least half the SMs idle and each block keeps at least 2 of `units`. Allowing 4 made
 // launch_split pick 4-way splits of 128- and 256-row tiles at 128 and 256 rows, 1.05-1.9x slower
-// than the 2-way splits of 64-row tiles before (BENCHMARKS.md, session 10).
+// than the 2-way splits of 64-row tiles before (BENCHMARKS.md, session 10); at 17 and 64 rows
+// 4-way splits of the one 64-row tile were 0.73-0.91x of 2-way with N = 4096 (session 11).
 inline int k_splits(int64_t tiles, int64_t units) {
   const int64_t split = std::min<int64_t>({2, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
   return static_cast<int>(std::max<int64_t>(1, split));
