@@ -240,12 +240,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
 }
 
 // The families wgmma.cu compiles (sm90::with_family_of).
-template <typename Fn>
-auto with_family(int n, int m, Fn&& fn) {
+constexpr auto with_family = [](int n, int m, auto&& fn) {
   using sm90::family_code;
   return sm90::with_family_of<family_code(1, 4), family_code(2, 4), family_code(1, 8), family_code(2, 8), family_code(4, 8),
                               family_code(4, 16), family_code(8, 16), family_code(2, 16)>(n, m, fn);
-}
+};
 
 }  // namespace
 
@@ -257,20 +256,11 @@ bool wgmma_device() { return compute_capability() == 90; }
 
 template <typename T>
 cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
-  if constexpr (sizeof(T) != 2) {
-    return cudaErrorInvalidValue;
-  } else {
-    if (!sm90::runs_here(p)) return cudaErrorInvalidValue;
-    return with_family(p.n, p.m, [&](auto kN, auto kM) {
-      if constexpr (kN() == 0) {
-        return cudaErrorInvalidValue;
-      } else {
-        return sm90::launch_widest(p, [&](auto rows) {
-          return sm90::launch_tiles<wgmma_kernel<T, kN(), kM(), rows()>, rows(), Layout<kN(), kM(), rows()>::kBytes>(p, stream);
-        });
-      }
+  return sm90::run_family(p, with_family, [&](auto kN, auto kM) {
+    return sm90::launch_widest(p, [&](auto rows) {
+      return sm90::launch_tiles<wgmma_kernel<T, kN(), kM(), rows()>, rows(), Layout<kN(), kM(), rows()>::kBytes>(p, stream);
     });
-  }
+  });
 }
 
 template cudaError_t run_wgmma<float>(PathParams<float>, cudaStream_t);

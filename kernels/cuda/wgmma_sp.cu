@@ -396,11 +396,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
 }
 
 // The families this path runs (sm90::with_family_of): 2:4 as stored, the others regrouped.
-template <typename Fn>
-auto with_sp_family(int n, int m, Fn&& fn) {
+constexpr auto with_sp_family = [](int n, int m, auto&& fn) {
   using sm90::family_code;
   return sm90::with_family_of<family_code(2, 4), family_code(1, 4), family_code(2, 8), family_code(1, 8)>(n, m, fn);
-}
+};
 
 }  // namespace
 
@@ -410,25 +409,16 @@ bool wgmma_sp_family(int n, int m) {
 
 template <typename T>
 cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
-  if constexpr (sizeof(T) != 2) {
-    return cudaErrorInvalidValue;
-  } else {
-    if (!sm90::runs_here(p)) return cudaErrorInvalidValue;
-    return with_sp_family(p.n, p.m, [&](auto kN, auto kM) {
-      if constexpr (kN() == 0) {
-        return cudaErrorInvalidValue;
-      } else {
-        const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
-        return sm90::launch_split(p, steps, [&](auto rows, int splits) {
-          if constexpr (kN() == 2 && kM() == 4)
-            return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), SpLayout<rows()>::kBytes>(p, stream, splits);
-          else
-            return sm90::launch_tiles<wgmma_regroup_kernel<T, kN(), kM(), rows()>, rows(),
-                                      RegroupLayout<kN(), kM(), rows()>::kBytes>(p, stream, splits);
-        });
-      }
+  return sm90::run_family(p, with_sp_family, [&](auto kN, auto kM) {
+    const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
+    return sm90::launch_split(p, steps, [&](auto rows, int splits) {
+      if constexpr (kN() == 2 && kM() == 4)
+        return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), SpLayout<rows()>::kBytes>(p, stream, splits);
+      else
+        return sm90::launch_tiles<wgmma_regroup_kernel<T, kN(), kM(), rows()>, rows(),
+                                  RegroupLayout<kN(), kM(), rows()>::kBytes>(p, stream, splits);
     });
-  }
+  });
 }
 
 template cudaError_t run_wgmma_sp<float>(PathParams<float>, cudaStream_t);

@@ -112,6 +112,25 @@ bool runs_here(const PathParams<T>& p) {
   return p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && wgmma_device();
 }
 
+// The entry both warpgroup paths share: cudaErrorInvalidValue for fp32 (no 16-bit tensor-core
+// operands), for calls runs_here rejects and for families `with_family` (a path's
+// with_family_of list) does not compile; else launch(N, M) with the family as compile-time
+// constants.
+template <typename T, typename WithFamily, typename Launch>
+cudaError_t run_family(const PathParams<T>& p, WithFamily&& with_family, Launch&& launch) {
+  if constexpr (sizeof(T) != 2) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (!runs_here(p)) return cudaErrorInvalidValue;
+    return with_family(p.n, p.m, [&](auto kN, auto kM) -> cudaError_t {
+      if constexpr (kN() == 0)
+        return cudaErrorInvalidValue;
+      else
+        return launch(kN, kM);
+    });
+  }
+}
+
 // Blocks of a cluster that split each tile's K steps (1 = no split): 2 when the tiles leave at
 // least half the SMs idle and each block keeps at least 2 of `units`. Allowing 4 made
 // launch_split pick 4-way splits of 128- and 256-row tiles at 128 and 256 rows, 1.05-1.9x slower
