@@ -22,7 +22,8 @@ py::array as_contiguous(const py::object& obj, const py::dtype& dtype) {
 
 template <typename T>
 py::array run_cpu(const py::array& x, const py::array& values, const py::array& indices, const py::object& bias,
-                  int n, int m, int64_t k, float alpha, int threads) {
+                  int n, int m, int64_t k, float alpha, int threads, const py::object& residual, const py::object& x_up,
+                  Glu glu) {
   const py::dtype dtype = values.dtype();
   const py::array xa = as_contiguous(x, dtype), va = as_contiguous(values, dtype);
   const py::array ia = as_contiguous(indices, py::dtype("uint32"));
@@ -43,11 +44,26 @@ py::array run_cpu(const py::array& x, const py::array& values, const py::array& 
   std::vector<py::ssize_t> out_dims(xa.shape(), xa.shape() + xa.ndim());
   out_dims.back() = shape.nout;
   py::array y(dtype, out_dims);
+  // Optional tensors of an exact shape: the residual the output's, x_up X's.
+  auto optional_like = [&](const py::object& obj, const std::vector<py::ssize_t>& dims, const char* error) {
+    py::array a;
+    if (obj.is_none()) return a;
+    a = as_contiguous(obj, dtype);
+    if (std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()) != dims) throw std::invalid_argument(error);
+    return a;
+  };
+  const py::array ra = optional_like(residual, out_dims, "residual must have the output's shape");
+  const py::array ua = optional_like(x_up, std::vector<py::ssize_t>(xa.shape(), xa.shape() + xa.ndim()),
+                                     "x_up must have x's shape");
+  if ((glu != Glu::none) != !x_up.is_none()) throw std::invalid_argument("x_up goes with glu='silu' and only with it");
   NMMatMulArgs<T> args;
   args.x = static_cast<const T*>(xa.data());
   args.values = static_cast<const T*>(va.data());
   args.indices = static_cast<const uint32_t*>(ia.data());
   args.bias = has_bias ? static_cast<const T*>(ba.data()) : nullptr;
+  args.residual = residual.is_none() ? nullptr : static_cast<const T*>(ra.data());
+  args.x_up = x_up.is_none() ? nullptr : static_cast<const T*>(ua.data());
+  args.glu = glu;
   args.y = OutputParts<T>::single(static_cast<T*>(y.mutable_data()), shape.nout);
   args.rows = k ? xa.size() / k : 0;
   args.alpha = alpha;
@@ -58,11 +74,14 @@ py::array run_cpu(const py::array& x, const py::array& values, const py::array& 
 }
 
 py::array nm_matmul_cpu_py(const py::array& x, const py::array& values, const py::array& indices,
-                           const py::object& bias, int n, int m, int64_t k, float alpha, int threads) {
+                           const py::object& bias, int n, int m, int64_t k, float alpha, int threads,
+                           const py::object& residual, const py::object& x_up, const std::string& glu) {
   if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m " + std::to_string(n) + ":" + std::to_string(m));
+  Glu gate;
+  if (!parse_glu(glu.c_str(), &gate)) throw std::invalid_argument("glu must be 'none' or 'silu', got '" + glu + "'");
   const std::string kind = py::str(values.dtype());
-  if (kind == "float32") return run_cpu<float>(x, values, indices, bias, n, m, k, alpha, threads);
-  if (kind == "float16") return run_cpu<half_t>(x, values, indices, bias, n, m, k, alpha, threads);
+  if (kind == "float32") return run_cpu<float>(x, values, indices, bias, n, m, k, alpha, threads, residual, x_up, gate);
+  if (kind == "float16") return run_cpu<half_t>(x, values, indices, bias, n, m, k, alpha, threads, residual, x_up, gate);
   throw std::invalid_argument("values must be float32 or float16, got " + kind);
 }
 
@@ -79,8 +98,10 @@ PYBIND11_MODULE(_kernels, mod) {
   mod.attr("FORMAT_VERSION") = kFormatVersion;
   mod.def("nm_matmul_cpu", &nm_matmul_cpu_py, py::arg("x"), py::arg("values"), py::arg("indices"),
           py::arg("bias") = py::none(), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("alpha") = 1.0f,
-          py::arg("threads") = 0,
-          "Y = alpha * X @ W + bias on the CPU; W packed per docs/FORMAT.md, dtype from values.");
+          py::arg("threads") = 0, py::arg("residual") = py::none(), py::arg("x_up") = py::none(),
+          py::arg("glu") = "none",
+          "Y = alpha * A @ W + bias + residual on the CPU, A = x or (glu='silu') silu(x) * x_up; W packed per "
+          "docs/FORMAT.md, dtype from values.");
 #ifdef NMCLI_WITH_CUDA
   nmcli::register_cuda_bindings(mod);
 #else

@@ -70,7 +70,8 @@ MIN_SIZE_HELP = "Skip weights with fewer elements than this."
 PERMUTE_HELP = ("Reorder input channels before N:M grouping where it keeps more of the criterion score "
                 "(one Gather of the activation per call; outputs equal the dense model with the same weights).")
 FUSE_HELP = ("Merge MatMuls that read the same activation (Q/K/V, gate/up) into one op that writes each "
-             "original output: fewer, wider kernel calls.")
+             "original output, and move a residual Add after an op and a SiLU-gated product before it into "
+             "the op: fewer, wider kernel calls.")
 
 
 @app.command()
@@ -118,7 +119,13 @@ def prune(
     skipped = report.skipped_table()
     if skipped is not None:
         out.print(skipped)
+    fused = [f"{count} {FUSED_NAMES[kind]}" for kind, count in report.fused.items() if count]
+    if fused:
+        out.print(f"fused into the op: {', '.join(fused)}")
     out.print(f"[green]wrote[/] {', '.join(str(p) for p in written)}")
+
+
+FUSED_NAMES = {"glu": "gated activation(s)", "residual": "residual add(s)"}
 
 
 @app.command()

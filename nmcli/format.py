@@ -13,6 +13,7 @@ import numpy as np
 from .errors import InvalidPatternError
 
 FORMAT_VERSION = 1
+OP_DOMAIN, OP_TYPE, OP_VERSION = "nmcli", "NMMatMul", 1  # the op that reads the format (FORMAT.md)
 MAX_M = 32
 ROW_ALIGN = 32  # stored entries per row are padded to a multiple of this (see FORMAT.md)
 

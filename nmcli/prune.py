@@ -14,9 +14,8 @@ from .masks import CRITERIA, LayerContext, MaskCriterion, choose_offsets
 from .modelio import clamp_ir_version
 from .report import LayerReport, PruneReport, SkipReport
 
-OP_DOMAIN = "nmcli"
-OP_TYPE = "NMMatMul"
-OP_VERSION = 1
+from .format import OP_DOMAIN, OP_TYPE, OP_VERSION  # noqa: F401 (re-exported)
+from .fusion import fuse_neighbours, inferred_shapes
 MAX_OUTPUTS = 8  # outputs of one fused op: kMaxOutputParts in kernels/output_parts.h
 
 
@@ -115,7 +114,8 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     `calibration`: input feeds (one dict per sample) for activation-aware criteria.
     `permute`: reorder input channels before grouping where that keeps more of the criterion
     score (permute.py); the pruned node then reads its activation through a Gather.
-    `fuse`: MatMuls that read the same activation become one op with one output each (_sibling_groups)."""
+    `fuse`: MatMuls that read the same activation become one op with one output each (_sibling_groups),
+    and residual adds and gated activations next to an op move into it (fusion.py)."""
     criterion = criterion or get_criterion(method)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -187,6 +187,8 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
         new_nodes.extend(replacements.get(id(node), [node]))
     del graph.node[:]
     graph.node.extend(new_nodes)
+    if fuse:
+        report.fused = fuse_neighbours(graph, inferred_shapes(model))
     _remove_dead(graph, [n for c in chosen for n in c.chain])
 
     if not any(o.domain == OP_DOMAIN for o in out.opset_import):

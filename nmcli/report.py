@@ -35,6 +35,7 @@ class PruneReport:
     method: str
     layers: list[LayerReport] = field(default_factory=list)
     skipped: list[SkipReport] = field(default_factory=list)
+    fused: dict[str, int] = field(default_factory=dict)  # neighbours moved into ops, by kind (fusion.py)
 
     def _unique_layers(self) -> list[LayerReport]:
         seen, out = set(), []
@@ -57,6 +58,7 @@ class PruneReport:
             "pattern": self.pattern, "method": self.method,
             "layers": [asdict(layer) for layer in self.layers],
             "skipped": [asdict(s) for s in self.skipped],
+            "fused": dict(self.fused),
             "totals": {"layers": len(self.layers), "weights": len(self._unique_layers()),
                        "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
                        "compression": self.bytes_before / self.bytes_after if self.bytes_after else None},

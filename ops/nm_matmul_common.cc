@@ -39,6 +39,15 @@ NMMatMulAttrs NMMatMulAttrs::read(const OrtKernelInfo* info) {
     a.splits.resize(count);
     Ort::ThrowOnError(api.KernelInfoGetAttributeArray_int64(info, "splits", a.splits.data(), &count));
   }
+  size_t glu_bytes = 0;  // glu: absent for an ungated activation
+  if (OrtStatus* absent = api.KernelInfoGetAttribute_string(info, "glu", nullptr, &glu_bytes)) {
+    api.ReleaseStatus(absent);
+  } else {
+    std::string glu(glu_bytes, '\0');
+    Ort::ThrowOnError(api.KernelInfoGetAttribute_string(info, "glu", glu.data(), &glu_bytes));
+    glu.resize(glu_bytes > 0 ? glu_bytes - 1 : 0);  // the size counts the terminating null
+    if (!parse_glu(glu.c_str(), &a.glu)) fail("glu must be \"silu\" (or absent), got \"" + glu + "\"");
+  }
   if (a.splits.size() > static_cast<size_t>(kMaxOutputParts))
     fail("at most " + std::to_string(kMaxOutputParts) + " splits, got " + std::to_string(a.splits.size()));
   for (int64_t w : a.splits)
@@ -63,10 +72,24 @@ NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& a
     fail("indices have shape " + dims_str(i_dims) + ", expected " +
          dims_str({v_dims[0], call.shape.index_words}));
   // An absent optional input is either missing from the node or present as a null value.
-  call.has_bias = ctx.GetInputCount() > 3 && static_cast<const OrtValue*>(ctx.GetInput(3)) != nullptr;
+  auto present = [&](size_t i) { return ctx.GetInputCount() > i && static_cast<const OrtValue*>(ctx.GetInput(i)) != nullptr; };
+  call.has_bias = present(3);
+  call.has_residual = present(4);
+  call.has_x_up = present(5);
   if (call.has_bias) {
     const auto b_dims = ctx.GetInput(3).GetTensorTypeAndShapeInfo().GetShape();
     if (b_dims.size() != 1 || b_dims[0] != v_dims[0]) fail("bias has shape " + dims_str(b_dims) + ", expected [Nout]");
+  }
+  if (call.has_x_up != (attrs.glu != Glu::none)) fail("input x_up goes with attribute glu, and only with it");
+  if (call.has_x_up && ctx.GetInput(5).GetTensorTypeAndShapeInfo().GetShape() != x_dims)
+    fail("x_up has shape " + dims_str(ctx.GetInput(5).GetTensorTypeAndShapeInfo().GetShape()) + ", expected X's " +
+         dims_str(x_dims));
+  if (call.has_residual) {
+    std::vector<int64_t> y_dims = x_dims;
+    y_dims.back() = v_dims[0];
+    const auto r_dims = ctx.GetInput(4).GetTensorTypeAndShapeInfo().GetShape();
+    if (!attrs.splits.empty()) fail("a residual needs a single output (no splits)");
+    if (r_dims != y_dims) fail("residual has shape " + dims_str(r_dims) + ", expected the output's " + dims_str(y_dims));
   }
   call.rows = 1;
   for (size_t i = 0; i + 1 < x_dims.size(); ++i) call.rows *= x_dims[i];

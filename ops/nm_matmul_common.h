@@ -1,8 +1,10 @@
 // What the CPU and CUDA kernels of nmcli.NMMatMul share: the op's signature, its attributes,
 // input validation (the only place that turns bad tensors into messages) and shape inference.
 //
-//   Y = NMMatMul(X, values, indices[, bias]; n, m, k, alpha)
+//   Y = NMMatMul(X, values, indices[, bias][, residual][, x_up]; n, m, k, alpha[, glu])
 //   X [..., K] T, values [Nout, S] T, indices [Nout, S*B/32] uint32, bias [Nout] T -> Y [..., Nout] T
+//   Y = alpha * (A @ W) + bias + residual, A = X or, with glu = "silu", silu(X) * x_up
+//   (residual: Y's shape; x_up: X's shape; docs/FORMAT.md "Fused neighbours").
 // With the optional attribute splits = [w_0, ..., w_p-1] (sum Nout, at most kMaxOutputParts) the
 // op has p outputs Y_i [..., w_i]: consecutive column ranges of Y (a fused sibling group, so no
 // Split has to copy them apart).
@@ -14,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "../kernels/fusion.h"
 #include "../kernels/nm_format.h"
 #include "../kernels/output_parts.h"
 
@@ -27,6 +30,7 @@ struct NMMatMulAttrs {
   int64_t k = 0;
   float alpha = 1.0f;
   std::vector<int64_t> splits;  // empty: one output
+  Glu glu = Glu::none;
   static NMMatMulAttrs read(const OrtKernelInfo* info);
 };
 
@@ -36,7 +40,7 @@ struct NMMatMulCall {
   int64_t rows = 0;                 // product of X's leading dims
   std::vector<int64_t> leading;     // X's leading dims
   std::vector<int64_t> widths;      // columns of each output ({Nout}, or the splits)
-  bool has_bias = false;
+  bool has_bias = false, has_residual = false, has_x_up = false;
   static NMMatMulCall check(Ort::KernelContext& ctx, const NMMatMulAttrs& attrs);
   // Allocates the outputs through ORT: output i is [leading..., widths[i]].
   OutputParts<void> outputs(Ort::KernelContext& ctx) const;
@@ -64,12 +68,12 @@ template <typename TOp, typename TKernel>
 struct NMMatMulOpBase : Ort::CustomOpBase<TOp, TKernel, true> {
   NMMatMulOpBase() { OrtCustomOp::InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* c) { return infer_output_shape(c); }; }
   const char* GetName() const { return kOpName; }
-  size_t GetInputTypeCount() const { return 4; }
+  size_t GetInputTypeCount() const { return 6; }  // X, values, indices, bias, residual, x_up
   ONNXTensorElementDataType GetInputType(size_t index) const {
     return index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32 : TOp::kElementType;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return index >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return TOp::kElementType; }

@@ -25,6 +25,9 @@ struct CpuKernel {
       args.values = reinterpret_cast<const T*>(ctx.GetInput(1).GetTensorData<OrtT>());
       args.indices = ctx.GetInput(2).GetTensorData<uint32_t>();
       args.bias = call.has_bias ? reinterpret_cast<const T*>(ctx.GetInput(3).GetTensorData<OrtT>()) : nullptr;
+      args.residual = call.has_residual ? reinterpret_cast<const T*>(ctx.GetInput(4).GetTensorData<OrtT>()) : nullptr;
+      args.x_up = call.has_x_up ? reinterpret_cast<const T*>(ctx.GetInput(5).GetTensorData<OrtT>()) : nullptr;
+      args.glu = attrs_.glu;
       args.y = y.as<T>();
       args.rows = call.rows;
       args.alpha = attrs_.alpha;

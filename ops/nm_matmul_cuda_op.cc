@@ -1,6 +1,6 @@
 // nmcli.NMMatMul on ONNX Runtime's CUDA execution provider: inputs and outputs stay on the
 // device, the kernels run on ORT's compute stream, nothing synchronizes the host and nothing
-// is allocated per call, so IO binding and ORT's CUDA graph capture work.
+// is allocated per call outside ORT's own allocator, so IO binding and ORT's CUDA graph capture work.
 #include "nm_matmul_cuda_op.h"
 
 #include <string>
@@ -10,6 +10,30 @@
 
 namespace nmcli {
 namespace {
+
+// Device memory from ORT's allocator for the input's device, returned when it goes out of scope.
+struct Workspace {
+  Workspace(Ort::KernelContext& ctx, size_t bytes) {
+    if (bytes == 0) return;
+    const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();
+    const Ort::MemoryInfo info("Cuda", OrtArenaAllocator, device, OrtMemTypeDefault);
+    const OrtMemoryInfo* raw_info = info;
+    allocator = ctx.GetAllocator(*raw_info);
+    data = allocator->Alloc(allocator, bytes);
+    if (data == nullptr) {
+      Ort::GetApi().ReleaseAllocator(allocator);
+      throw Ort::Exception("nmcli.NMMatMul: no device memory for the workspace", ORT_FAIL);
+    }
+  }
+  ~Workspace() {
+    if (data) allocator->Free(allocator, data);
+    if (allocator) Ort::GetApi().ReleaseAllocator(allocator);
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  OrtAllocator* allocator = nullptr;
+  void* data = nullptr;
+};
 
 struct CudaKernel {
   CudaKernel(NMMatMulAttrs attrs, DType dtype) : attrs_(attrs), dtype_(dtype) {}
@@ -24,11 +48,19 @@ struct CudaKernel {
       m.values = ctx.GetInput(1).GetTensorRawData();
       m.indices = ctx.GetInput(2).GetTensorData<uint32_t>();
       m.bias = call.has_bias ? ctx.GetInput(3).GetTensorRawData() : nullptr;
+      m.residual = call.has_residual ? ctx.GetInput(4).GetTensorRawData() : nullptr;
+      m.x_up = call.has_x_up ? ctx.GetInput(5).GetTensorRawData() : nullptr;
+      m.glu = attrs_.glu;
       m.y = call.outputs(ctx);
       m.rows = call.rows;
       m.alpha = attrs_.alpha;
       m.shape = call.shape;
       void* stream = ctx.GetGPUComputeStream();
+      // A gated call off the decode path gates X into a workspace first: from ORT's device arena,
+      // stream-ordered like ORT's own temporaries (freed after the launch, reused by later kernels
+      // of the same stream only).
+      Workspace workspace(ctx, nm_matmul_cuda_workspace_bytes(m));
+      m.workspace = workspace.data;
       StreamTimer timer(stream);
       const int err = nm_matmul_cuda(m, stream);
       if (err != 0) throw Ort::Exception("nmcli.NMMatMul: CUDA error " + std::to_string(err), ORT_EP_FAIL);

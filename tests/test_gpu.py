@@ -7,7 +7,7 @@ from conftest import FAMILIES
 
 from nmcli.format import NMPattern, pack, unpack
 from nmcli.masks import choose_offsets
-from nmcli.reference import dense_reference, error_ratio, relative_error
+from nmcli.reference import dense_reference, error_ratio, gated_activation, relative_error
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -39,13 +39,16 @@ def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None):
     return [y.float().cpu().numpy().astype(np.float64) for y in ys]
 
 
+def random_array(rng, shape, dtype_name):
+    """Fresh normal data of the dtype; bf16 values are rounded through bf16 first so the
+    reference sees the same numbers."""
+    a = rng.standard_normal(shape).astype(np.float16 if dtype_name == "float16" else np.float32)
+    return torch.from_numpy(a).to(torch.bfloat16).float().numpy() if dtype_name == "bfloat16" else a
+
+
 def random_case(rng, pattern, rows, k, nout, dtype_name):
-    """Fresh x [rows, K], packed W (magnitude-pruned) and bias; bf16 values are rounded through
-    bf16 first so the reference sees the same numbers."""
-    np_dtype = np.float16 if dtype_name == "float16" else np.float32
-    w, x, bias = (rng.standard_normal(shape).astype(np_dtype) for shape in ((k, nout), (rows, k), nout))
-    if dtype_name == "bfloat16":
-        w, x, bias = (torch.from_numpy(a).to(torch.bfloat16).float().numpy() for a in (w, x, bias))
+    """Fresh x [rows, K], packed W (magnitude-pruned) and bias."""
+    w, x, bias = (random_array(rng, shape, dtype_name) for shape in ((k, nout), (rows, k), nout))
     return x, pack(w, choose_offsets(np.abs(w), pattern), pattern), bias
 
 
@@ -87,6 +90,59 @@ def test_cuda_paths_write_split_outputs(rng, dtype_name, rows, k, widths):
             cols = slice(start, start + width)
             assert error_ratio(got, ref[:, cols], magnitude[:, cols], dtype_name, k) < 1, (path, width)
             start += width
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "float32", "bfloat16"])
+@pytest.mark.parametrize("n,m", [(2, 8), (2, 4), (4, 16)])
+@pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (5, 300, 33), (12, 1000, 200), (17, 130, 300),
+                                         (64, 1024, 2048), (300, 520, 130)])
+def test_cuda_paths_fuse_residual_and_gate(rng, dtype_name, n, m, rows, k, nout):
+    """Y = alpha * (silu(x) * x_up) @ W + bias + residual on every path (the ones off decode gate
+    x into a workspace first), from fresh data into poisoned outputs."""
+    pattern = NMPattern(n, m)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
+    x_up, residual = random_array(rng, (rows, k), dtype_name), random_array(rng, (rows, nout), dtype_name)
+    ref, magnitude = dense_reference(gated_activation(x, x_up), unpack(packed), bias, 0.75, residual=residual)
+    xd, ud, rd = to_device(x, dtype_name), to_device(x_up, dtype_name), to_device(residual, dtype_name)
+    vd, bd = to_device(packed.values, dtype_name), to_device(bias, dtype_name)
+    idx = torch.from_numpy(packed.indices.view(np.int32)).cuda()
+    for path in paths_for(rows, pattern, dtype_name, k):
+        need = kernels.cuda_workspace_bytes(rows, n, m, k, nout, dtype_name, "silu", path)
+        workspace = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
+        y = torch.full((rows, nout), float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name])
+        kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), bd.data_ptr(), y.data_ptr(), rows, n, m,
+                               k, nout, dtype_name, 0.75, torch.cuda.current_stream().cuda_stream, path,
+                               residual=rd.data_ptr(), x_up=ud.data_ptr(), glu="silu",
+                               workspace=workspace.data_ptr() if need else 0)
+        torch.cuda.synchronize()
+        got = y.float().cpu().numpy().astype(np.float64)
+        assert error_ratio(got, ref, magnitude, dtype_name, k, rounded_input=True) < 1, (path, need)
+
+
+def test_ort_cuda_llama_block_with_fused_neighbours(rng):
+    """A LLaMA-style block whose residual adds and SiLU gate moved into the op: CUDA EP (plain,
+    and CUDA-graph replay at decode and prefill sizes, where the gate goes through ORT's arena)
+    against the CPU EP."""
+    import onnxruntime as ort
+
+    import nmcli
+    from nmcli.llama import LlamaConfig, llama_model
+    dense = llama_model(LlamaConfig(hidden=256, ffn=688, heads=4, layers=2, dtype="float16"), rng)
+    pruned, report = nmcli.prune_model(dense, nmcli.Selection(nmcli.NMPattern(2, 8)))
+    assert report.fused == {"glu": 2, "residual": 4}
+    for tokens in (1, 40):
+        x = rng.standard_normal((1, tokens, 256)).astype(np.float16)
+        (expected,) = nmcli.session(pruned).run(None, {"x": x})
+        for graph in (False, True):
+            sess = nmcli.session(pruned, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1" if graph else "0"})])
+            x_dev = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+            y_dev = ort.OrtValue.ortvalue_from_numpy(np.full(expected.shape, np.nan, np.float16), "cuda", 0)
+            binding = sess.io_binding()
+            binding.bind_ortvalue_input("x", x_dev)
+            binding.bind_ortvalue_output("y", y_dev)
+            for _ in range(3):
+                sess.run_with_iobinding(binding)
+                assert relative_error(y_dev.numpy(), expected.astype(np.float64)) < 3e-3, (tokens, graph)
 
 
 def _pruned_block(rng, dtype, permute=False, fuse=True):

@@ -6,7 +6,7 @@ from conftest import FAMILIES
 from nmcli import _kernels
 from nmcli.format import NMPattern, pack, unpack
 from nmcli.masks import choose_offsets
-from nmcli.reference import dense_reference, error_ratio
+from nmcli.reference import dense_reference, error_ratio, gated_activation
 
 
 def packed_random(rng, k, nout, pattern, dtype):
@@ -29,6 +29,38 @@ def test_matches_reference(rng, n, m, dtype, x_shape, k, nout):
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha)
     assert y.shape == ref.shape and y.dtype == dtype
     assert error_ratio(y, ref, magnitude, dtype, k) < 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("x_shape,k,nout,nm", [((1, 64), 64, 5, (2, 8)), ((2, 3, 71), 71, 17, (2, 4)),
+                                               ((9, 130), 130, 40, (1, 8))])
+@pytest.mark.parametrize("residual,glu", [(True, False), (False, True), (True, True)])
+def test_fused_neighbours_match_reference(rng, dtype, x_shape, k, nout, nm, residual, glu):
+    """Y = alpha * (silu(x) * x_up) @ W + bias + residual, each part optional."""
+    n, m = nm
+    packed = packed_random(rng, k, nout, NMPattern(n, m), dtype)
+    x, x_up = (rng.standard_normal(x_shape).astype(dtype) for _ in range(2))
+    bias = rng.standard_normal(nout).astype(dtype)
+    r = rng.standard_normal(x_shape[:-1] + (nout,)).astype(dtype) if residual else None
+    y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, bias, n=n, m=m, k=k, alpha=0.5, residual=r,
+                               x_up=x_up if glu else None, glu="silu" if glu else "none")
+    a = gated_activation(x, x_up) if glu else x
+    ref, magnitude = dense_reference(a, unpack(packed), bias, 0.5, residual=r)
+    assert y.shape == ref.shape and error_ratio(y, ref, magnitude, dtype, k) < 1
+
+
+def test_fused_neighbours_reject_bad_inputs(rng):
+    packed = packed_random(rng, 64, 8, NMPattern(2, 8), np.float32)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    call = dict(n=2, m=8, k=64)
+    with pytest.raises(ValueError, match="residual must have the output's shape"):
+        _kernels.nm_matmul_cpu(x, packed.values, packed.indices, residual=np.ones((2, 7), np.float32), **call)
+    with pytest.raises(ValueError, match="x_up must have x's shape"):
+        _kernels.nm_matmul_cpu(x, packed.values, packed.indices, x_up=x[:1], glu="silu", **call)
+    with pytest.raises(ValueError, match="x_up goes with glu"):
+        _kernels.nm_matmul_cpu(x, packed.values, packed.indices, x_up=x, **call)
+    with pytest.raises(ValueError, match="glu must be"):
+        _kernels.nm_matmul_cpu(x, packed.values, packed.indices, x_up=x, glu="gelu", **call)
 
 
 def test_threads_agree(rng):

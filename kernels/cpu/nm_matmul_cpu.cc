@@ -12,12 +12,17 @@ template <typename T>
 NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args) : args_(args) {
   const int64_t count = args.rows * args.shape.k;
   if constexpr (std::is_same_v<T, float>) {
-    x32_ = args.x;
-  } else {  // convert once, not once per output column
-    x32_storage_ = new float[static_cast<size_t>(std::max<int64_t>(count, 1))];
-    for (int64_t i = 0; i < count; ++i) x32_storage_[i] = to_float(args.x[i]);
-    x32_ = x32_storage_;
+    if (args.glu == Glu::none) {
+      x32_ = args.x;
+      return;
+    }
   }
+  // Convert (and gate) once, not once per output column.
+  x32_storage_ = new float[static_cast<size_t>(std::max<int64_t>(count, 1))];
+  for (int64_t i = 0; i < count; ++i)
+    x32_storage_[i] = args.glu == Glu::none ? to_float(args.x[i])
+                                            : gated_activation(args.glu, to_float(args.x[i]), to_float(args.x_up[i]));
+  x32_ = x32_storage_;
 }
 
 template <typename T>
@@ -44,6 +49,8 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
     }
     const float bias = args_.bias ? to_float(args_.bias[col]) : 0.0f;
     const OutputColumn<T> y = args_.y.column(col);
+    // The residual of output (r, col), read where the row is written.
+    auto residual = [&](int64_t r) { return args_.residual ? to_float(args_.residual[r * s.nout + col]) : 0.0f; };
     // Four activation rows at a time share each decoded entry.
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {
@@ -57,16 +64,16 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
         const float v = val[j];
         a0 += v * x0[k]; a1 += v * x1[k]; a2 += v * x2[k]; a3 += v * x3[k];
       }
-      y[r] = from_float<T>(args_.alpha * a0 + bias);
-      y[r + 1] = from_float<T>(args_.alpha * a1 + bias);
-      y[r + 2] = from_float<T>(args_.alpha * a2 + bias);
-      y[r + 3] = from_float<T>(args_.alpha * a3 + bias);
+      y[r] = from_float<T>(args_.alpha * a0 + bias + residual(r));
+      y[r + 1] = from_float<T>(args_.alpha * a1 + bias + residual(r + 1));
+      y[r + 2] = from_float<T>(args_.alpha * a2 + bias + residual(r + 2));
+      y[r + 3] = from_float<T>(args_.alpha * a3 + bias + residual(r + 3));
     }
     for (; r < rows; ++r) {
       const float* x0 = x32_ + r * K;
       float a0 = 0;
       for (int64_t j = 0; j < live; ++j) a0 += val[j] * x0[pos[j]];
-      y[r] = from_float<T>(args_.alpha * a0 + bias);
+      y[r] = from_float<T>(args_.alpha * a0 + bias + residual(r));
     }
   }
 }

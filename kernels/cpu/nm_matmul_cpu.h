@@ -1,7 +1,9 @@
-// CPU implementation of Y = alpha * (X @ W) + bias with W in the packed N:M format.
+// CPU implementation of Y = alpha * (A @ W) + bias + residual with W in the packed N:M format
+// (A = X, or silu(X) * X_up: kernels/fusion.h).
 #pragma once
 #include <cstdint>
 
+#include "../fusion.h"
 #include "../nm_format.h"
 #include "../output_parts.h"
 #include "half.h"
@@ -14,6 +16,9 @@ struct NMMatMulArgs {
   const T* values = nullptr;      // [Nout, S]
   const uint32_t* indices = nullptr;  // [Nout, S*B/32]
   const T* bias = nullptr;        // [Nout] or null
+  const T* residual = nullptr;    // [rows, Nout] added to the output, or null (single output only)
+  const T* x_up = nullptr;        // [rows, K], read when glu != none
+  Glu glu = Glu::none;
   OutputParts<T> y;               // [rows, Nout], or column ranges into several tensors
   int64_t rows = 0;
   float alpha = 1.0f;
@@ -37,8 +42,8 @@ class NMMatMulCpu {
 
  private:
   NMMatMulArgs<T> args_;
-  const float* x32_ = nullptr;    // activations as fp32 [rows, K]
-  float* x32_storage_ = nullptr;  // owned when T is not float
+  const float* x32_ = nullptr;    // activations A as fp32 [rows, K]
+  float* x32_storage_ = nullptr;  // owned when T is not float or the activation is gated
 };
 
 // Convenience: the whole product on std::threads (used by the pybind module and tests).

@@ -44,6 +44,12 @@ OutputParts<void> parse_outputs(const py::object& y, const std::vector<int64_t>&
   return OutputParts<void>::split(bases.data(), splits.data(), static_cast<int>(splits.size()));
 }
 
+Glu parse_glu_arg(const std::string& name) {
+  Glu glu;
+  if (!parse_glu(name.c_str(), &glu)) throw std::invalid_argument("glu must be 'none' or 'silu', got '" + name + "'");
+  return glu;
+}
+
 CudaPath parse_path(const std::string& name) {
   CudaPath path;
   if (!path_from_name(name.c_str(), &path)) throw std::invalid_argument("path must be auto, decode, tiled, mma, wgmma or wgmma_sp");
@@ -58,7 +64,8 @@ void register_cuda_bindings(py::module_& mod) {
       "nm_matmul_cuda",
       [](uintptr_t x, uintptr_t values, uintptr_t indices, uintptr_t bias, const py::object& y, int64_t rows, int n, int m,
          int64_t k, int64_t nout, const std::string& dtype, float alpha, uintptr_t stream, const std::string& path,
-         const std::vector<int64_t>& splits) {
+         const std::vector<int64_t>& splits, uintptr_t residual, uintptr_t x_up, const std::string& glu,
+         uintptr_t workspace) {
         if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m");
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
@@ -66,20 +73,43 @@ void register_cuda_bindings(py::module_& mod) {
         call.values = reinterpret_cast<const void*>(values);
         call.indices = reinterpret_cast<const uint32_t*>(indices);
         call.bias = reinterpret_cast<const void*>(bias);
+        call.residual = reinterpret_cast<const void*>(residual);
+        call.x_up = reinterpret_cast<const void*>(x_up);
+        call.glu = parse_glu_arg(glu);
+        call.workspace = reinterpret_cast<void*>(workspace);
         call.y = parse_outputs(y, splits, nout);
+        if (residual && call.y.count > 1) throw std::invalid_argument("a residual needs a single output");
+        if ((call.glu != Glu::none) != (x_up != 0)) throw std::invalid_argument("x_up goes with glu='silu' and only with it");
         call.rows = rows;
         call.alpha = alpha;
         call.shape = NMShape::make(k, nout, n, m);
         const CudaPath chosen = parse_path(path);
         if (!path_supported(call, chosen)) throw std::invalid_argument("path " + path + " does not support this call");
+        if (nm_matmul_cuda_workspace_bytes(call, chosen) > 0 && workspace == 0)
+          throw std::invalid_argument("this call needs a workspace of cuda_workspace_bytes(...) bytes");
         const int err = nm_matmul_cuda(call, reinterpret_cast<void*>(stream), chosen);
         if (err != 0) throw std::runtime_error("nm_matmul_cuda failed with CUDA error " + std::to_string(err));
       },
       py::arg("x"), py::arg("values"), py::arg("indices"), py::arg("bias"), py::arg("y"), py::arg("rows"), py::arg("n"),
       py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("alpha") = 1.0f, py::arg("stream") = 0,
-      py::arg("path") = "auto", py::arg("splits") = std::vector<int64_t>{},
-      "Launch on device pointers (bias may be 0; y one pointer, or a list with `splits`, the columns each "
-      "holds). Asynchronous on `stream`; no allocation.");
+      py::arg("path") = "auto", py::arg("splits") = std::vector<int64_t>{}, py::arg("residual") = 0,
+      py::arg("x_up") = 0, py::arg("glu") = "none", py::arg("workspace") = 0,
+      "Launch on device pointers (bias, residual may be 0; y one pointer, or a list with `splits`, the columns "
+      "each holds; glu='silu' multiplies silu(x) * x_up, and needs `workspace` on some paths). Asynchronous on "
+      "`stream`; no allocation.");
+  mod.def(
+      "cuda_workspace_bytes",
+      [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype, const std::string& glu,
+         const std::string& path) {
+        CudaMatMul call;
+        call.dtype = parse_dtype(dtype);
+        call.rows = rows;
+        call.glu = parse_glu_arg(glu);
+        call.shape = NMShape::make(k, nout, n, m);
+        return nm_matmul_cuda_workspace_bytes(call, parse_path(path));
+      },
+      py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("glu"),
+      py::arg("path") = "auto", "Workspace bytes nm_matmul_cuda needs for this call (0 for most calls).");
   mod.def(
       "cuda_device_count",
       [] {

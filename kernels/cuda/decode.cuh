@@ -133,7 +133,9 @@ template <typename T, typename S, int R, typename Layout>
 __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* xs, int64_t p0) {
   constexpr int VEC = 16 / sizeof(T);
   const int staged = p.staged_positions;  // a multiple of the run length, as is p0
-  if (p.k % VEC == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0) {
+  const bool gate = p.glu != Glu::none;  // stage silu(x) * x_up (kernels/fusion.h)
+  if (p.k % VEC == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+      (!gate || reinterpret_cast<uintptr_t>(p.x_up) % 16 == 0)) {
     constexpr int kRun = Layout::kRun > 0 ? Layout::kRun : VEC;  // positions that share a column
     constexpr int kPieces = kRun / VEC;                           // vectors of X per run
     const int runs = staged / kRun;
@@ -142,17 +144,24 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
       const int r = idx % R, t = idx / R;
       const int q = kPieces == 1 ? t * VEC : t % runs * kRun + t / runs * VEC;
       const int64_t k = p0 + q;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (k < p.k && r < p.rows) v = __ldg(reinterpret_cast<const uint4*>(p.x + r * p.k + k));
+      uint4 v = make_uint4(0, 0, 0, 0), u = v;  // zeros past K: gated, still zero
+      if (k < p.k && r < p.rows) {
+        v = __ldg(reinterpret_cast<const uint4*>(p.x + r * p.k + k));
+        if (gate) u = __ldg(reinterpret_cast<const uint4*>(p.x_up + r * p.k + k));
+      }
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) xs[Layout::slot(q + i) * R + r] = from_f32<S>(vec_entry<T>(v, i));
+      for (int i = 0; i < VEC; ++i)
+        xs[Layout::slot(q + i) * R + r] =
+            from_f32<S>(gate ? gated_activation(p.glu, vec_entry<T>(v, i), vec_entry<T>(u, i)) : vec_entry<T>(v, i));
     }
   } else {
 #pragma unroll 4
     for (int idx = threadIdx.x; idx < staged * R; idx += kThreads) {
       const int r = idx / staged, q = idx - r * staged;
       const int64_t k = p0 + q;
-      xs[Layout::slot(q) * R + r] = from_f32<S>(k < p.k && r < p.rows ? to_f32(p.x[r * p.k + k]) : 0.f);
+      const int64_t i = r * p.k + k;
+      const float a = k < p.k && r < p.rows ? gated_activation(p.glu, to_f32(p.x[i]), gate ? to_f32(p.x_up[i]) : 0.f) : 0.f;
+      xs[Layout::slot(q) * R + r] = from_f32<S>(a);
     }
   }
 }
@@ -287,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
       const OutputColumn<T> y = p.y.column(row);
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[r] + b);
+        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[r] + b + residual_at(p, r, row));
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;

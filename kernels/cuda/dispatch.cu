@@ -37,6 +37,9 @@ PathParams<T> typed(const CudaMatMul& c) {
   p.values = static_cast<const T*>(c.values);
   p.indices = c.indices;
   p.bias = static_cast<const T*>(c.bias);
+  p.residual = static_cast<const T*>(c.residual);
+  p.x_up = static_cast<const T*>(c.x_up);
+  p.glu = c.glu;
   p.y = c.y.as<T>();
   p.rows = c.rows;
   p.k = c.shape.k;
@@ -56,15 +59,25 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
   if (path == CudaPath::decode) {
     DecodeParamsT<T> p;
     static_cast<PathParams<T>&>(p) = typed<T>(c);
-    return run_decode<T>(p, stream);
+    return run_decode<T>(p, stream);  // gates while it stages X
   }
-  if (path == CudaPath::mma) return run_mma<T>(typed<T>(c), stream);
+  PathParams<T> p = typed<T>(c);
+  if (p.glu != Glu::none) {  // the other paths copy X as it is: gate it into the workspace first
+    T* gated = static_cast<T*>(c.workspace);
+    if (cudaError_t e = run_glu<T>(p.x, p.x_up, p.glu, gated, p.rows * p.k, stream); e != cudaSuccess) return e;
+    p.x = gated;
+    p.x_up = nullptr;
+    p.glu = Glu::none;
+  }
+  if (path == CudaPath::mma) return run_mma<T>(p, stream);
 #if defined(NMCLI_WITH_SM90A)
-  if (path == CudaPath::wgmma) return run_wgmma<T>(typed<T>(c), stream);
-  if (path == CudaPath::wgmma_sp) return run_wgmma_sp<T>(typed<T>(c), stream);
+  if (path == CudaPath::wgmma) return run_wgmma<T>(p, stream);
+  if (path == CudaPath::wgmma_sp) return run_wgmma_sp<T>(p, stream);
 #endif
-  return run_tiled<T>(typed<T>(c), stream);
+  return run_tiled<T>(p, stream);
 }
+
+size_t dtype_bytes(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
 
 }  // namespace
 
@@ -101,7 +114,9 @@ bool use_pdl() {
 bool wgmma_supported(const CudaMatMul& call, bool sparse_tensor_cores) {
 #if defined(NMCLI_WITH_SM90A)
   const int n = call.shape.n, m = call.shape.m;
-  return call.dtype != DType::f32 && call.shape.k % 8 == 0 && reinterpret_cast<uintptr_t>(call.x) % 16 == 0 &&
+  // A gated call reads X from the (aligned) workspace.
+  const bool aligned = call.glu != Glu::none || reinterpret_cast<uintptr_t>(call.x) % 16 == 0;
+  return call.dtype != DType::f32 && call.shape.k % 8 == 0 && aligned &&
          (sparse_tensor_cores ? wgmma_sp_family(n, m) : wgmma_family(n, m)) && wgmma_device();
 #else
   (void)call;
@@ -179,10 +194,21 @@ bool path_from_name(const char* name, CudaPath* path) {
   return false;
 }
 
+size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path) {
+  if (call.glu == Glu::none || call.rows == 0 || call.shape.nout == 0) return 0;
+  if (path == CudaPath::automatic) path = choose_path(call);
+  if (path == CudaPath::decode) return 0;
+  return static_cast<size_t>(call.rows * call.shape.k) * dtype_bytes(call.dtype);
+}
+
 int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
   if (call.rows == 0 || call.shape.nout == 0) return cudaSuccess;
   if (path == CudaPath::automatic) path = choose_path(call);
   if (!path_supported(call, path)) return cudaErrorInvalidValue;
+  if (call.glu != Glu::none && call.x_up == nullptr) return cudaErrorInvalidValue;
+  if (nm_matmul_cuda_workspace_bytes(call, path) > 0 &&
+      (call.workspace == nullptr || reinterpret_cast<uintptr_t>(call.workspace) % 16 != 0))
+    return cudaErrorInvalidValue;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   switch (call.dtype) {
     case DType::f32: return run<float>(call, stream, path);

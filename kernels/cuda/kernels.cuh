@@ -1,6 +1,7 @@
 // Parameters and launchers of the CUDA paths (internal to kernels/cuda).
 #pragma once
 #include "common.cuh"
+#include "../fusion.h"
 #include "../output_parts.h"
 
 namespace nmcli {
@@ -12,6 +13,9 @@ struct PathParams {
   const T* values;
   const uint32_t* indices;
   const T* bias;
+  const T* residual;  // [rows, Nout] added to the output (a single one), or null
+  const T* x_up;      // [rows, K]: with glu, the product reads gated_activation(glu, x, x_up)
+  Glu glu;            // only the decode path gates; dispatch gates X first for the others
   OutputParts<T> y;
   int64_t rows, k, nout, groups, row_len, index_words;
   int n, m, bits;
@@ -31,6 +35,15 @@ constexpr int64_t kWgmmaMinBlocks = 48;     // ... when its grid of smallest til
 constexpr int64_t kWgmmaSpMinBlocks = 16;   // the sparse one from 17 rows (9 for 2:4) with this many
 constexpr int64_t kWgmmaWeightTile = 128;   // weight rows per wgmma block
 constexpr int64_t kWgmmaMinRowTile = 64;    // its smallest activation tile
+
+// The residual added to output (row, col).
+template <typename T>
+__device__ __forceinline__ float residual_at(const PathParams<T>& p, int64_t row, int64_t col) {
+  return p.residual ? to_f32(p.residual[row * p.nout + col]) : 0.f;
+}
+
+// out[i] = gated_activation(glu, x[i], up[i]) for i < count (the paths that copy X as it is).
+template <typename T> cudaError_t run_glu(const T* x, const T* up, Glu glu, T* out, int64_t count, cudaStream_t stream);
 
 template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t stream);
 // Whether the decode kernel for `rows` stages the activations of the whole K at once (one chunk).

@@ -205,7 +205,8 @@ struct TileSmem {
 
 template <typename T>
 __device__ __forceinline__ void store_output(const PathParams<T>& p, int64_t row, int64_t col, float v) {
-  if (row < p.rows && col < p.nout) p.y.column(col)[row] = from_f32<T>(p.alpha * v + (p.bias ? to_f32(p.bias[col]) : 0.f));
+  if (row < p.rows && col < p.nout)
+    p.y.column(col)[row] = from_f32<T>(p.alpha * v + (p.bias ? to_f32(p.bias[col]) : 0.f) + residual_at(p, row, col));
 }
 
 // Sums the cluster's partial tiles (each block's `partial` in its own shared memory); block r

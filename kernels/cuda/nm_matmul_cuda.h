@@ -1,9 +1,12 @@
-// CUDA entry point for Y = alpha * (X @ W) + bias with W packed per docs/FORMAT.md.
-// Type-erased so the ORT op and the pybind module share one dispatch; all pointers are device
-// pointers, the call is asynchronous on `stream` and allocates nothing.
+// CUDA entry point for Y = alpha * (A @ W) + bias + residual with W packed per docs/FORMAT.md
+// and A = X or silu(X) * X_up (kernels/fusion.h). Type-erased so the ORT op and the pybind
+// module share one dispatch; all pointers are device pointers, the call is asynchronous on
+// `stream` and allocates nothing (a gated call on a path other than decode gates X into the
+// caller's `workspace` first: nm_matmul_cuda_workspace_bytes).
 #pragma once
 #include <cstdint>
 
+#include "../fusion.h"
 #include "../nm_format.h"
 #include "../output_parts.h"
 
@@ -18,6 +21,10 @@ struct CudaMatMul {
   const void* values = nullptr;       // [Nout, S]
   const uint32_t* indices = nullptr;  // [Nout, S*B/32]
   const void* bias = nullptr;         // [Nout] or null
+  const void* residual = nullptr;     // [rows, Nout] added to the output (single output only), or null
+  const void* x_up = nullptr;         // [rows, K], read when glu != none
+  Glu glu = Glu::none;
+  void* workspace = nullptr;          // nm_matmul_cuda_workspace_bytes(call, path) bytes, 16-byte aligned
   OutputParts<void> y;                // [rows, Nout], or column ranges into several tensors
   int64_t rows = 0;
   float alpha = 1.0f;
@@ -33,6 +40,10 @@ bool path_supported(const CudaMatMul& call, CudaPath path);
 const char* path_name(CudaPath path);
 // The path `path_name` spells as `name`; false when there is none.
 bool path_from_name(const char* name, CudaPath* path);
+
+// Device memory the call needs in `workspace` on `path` (0 for most calls: only gated calls on
+// paths other than decode gate X there first).
+size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path = CudaPath::automatic);
 
 // Returns a cudaError_t as int (0 = success) so callers need no CUDA headers.
 int nm_matmul_cuda(const CudaMatMul& call, void* stream, CudaPath path = CudaPath::automatic);

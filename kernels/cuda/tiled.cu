@@ -60,7 +60,8 @@ __global__ void __launch_bounds__(kThreads) tiled_kernel(PathParams<T> p, int gr
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t col = col0 + tx * 4 + j;
-      if (col < p.nout) p.y.column(col)[row] = from_f32<T>(p.alpha * acc[i][j] + (p.bias ? to_f32(p.bias[col]) : 0.f));
+      if (col < p.nout)
+        p.y.column(col)[row] = from_f32<T>(p.alpha * acc[i][j] + (p.bias ? to_f32(p.bias[col]) : 0.f) + residual_at(p, row, col));
     }
   }
 }

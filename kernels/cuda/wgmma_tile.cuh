@@ -57,7 +57,7 @@ struct ActivationLoader {
 };
 
 // Writes a warpgroup's accumulators: accumulator i*4 + h*2 + e holds weight row `row` (+ 8 for
-// h = 1) of the block, activation row 8i + 2q + e of its tile; alpha and bias applied here.
+// h = 1) of the block, activation row 8i + 2q + e of its tile; alpha, bias and residual applied here.
 template <typename T, int kRows>
 __device__ __forceinline__ void store_tile(const PathParams<T>& p, const float (&acc)[kRows / 2], int64_t w0,
                                            int64_t r0, int row, int q) {
@@ -72,7 +72,7 @@ __device__ __forceinline__ void store_tile(const PathParams<T>& p, const float (
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int64_t r = r0 + 8 * i + 2 * q + e;
-        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[i * 4 + h * 2 + e] + bias);
+        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[i * 4 + h * 2 + e] + bias + residual_at(p, r, w));
       }
   }
 }
