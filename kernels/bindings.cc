@@ -23,7 +23,7 @@ py::array as_contiguous(const py::object& obj, const py::dtype& dtype) {
 template <typename T>
 py::array run_cpu(const py::array& x, const py::array& values, const py::array& indices, const py::object& bias,
                   int n, int m, int64_t k, float alpha, int threads, const py::object& residual, const py::object& x_up,
-                  Glu glu) {
+                  Glu glu, const py::object& norm_weight, float norm_epsilon) {
   const py::dtype dtype = values.dtype();
   const py::array xa = as_contiguous(x, dtype), va = as_contiguous(values, dtype);
   const py::array ia = as_contiguous(indices, py::dtype("uint32"));
@@ -56,6 +56,8 @@ py::array run_cpu(const py::array& x, const py::array& values, const py::array& 
   const py::array ua = optional_like(x_up, std::vector<py::ssize_t>(xa.shape(), xa.shape() + xa.ndim()),
                                      "x_up must have x's shape");
   if ((glu != Glu::none) != !x_up.is_none()) throw std::invalid_argument("x_up goes with glu='silu' and only with it");
+  const py::array na = optional_like(norm_weight, {static_cast<py::ssize_t>(k)}, "norm_weight must be [K]");
+  if (glu != Glu::none && !norm_weight.is_none()) throw std::invalid_argument("glu and norm_weight exclude each other");
   NMMatMulArgs<T> args;
   args.x = static_cast<const T*>(xa.data());
   args.values = static_cast<const T*>(va.data());
@@ -64,6 +66,8 @@ py::array run_cpu(const py::array& x, const py::array& values, const py::array& 
   args.residual = residual.is_none() ? nullptr : static_cast<const T*>(ra.data());
   args.x_up = x_up.is_none() ? nullptr : static_cast<const T*>(ua.data());
   args.glu = glu;
+  args.norm_weight = norm_weight.is_none() ? nullptr : static_cast<const T*>(na.data());
+  args.norm_epsilon = norm_epsilon;
   args.y = OutputParts<T>::single(static_cast<T*>(y.mutable_data()), shape.nout);
   args.rows = k ? xa.size() / k : 0;
   args.alpha = alpha;
@@ -75,13 +79,16 @@ py::array run_cpu(const py::array& x, const py::array& values, const py::array& 
 
 py::array nm_matmul_cpu_py(const py::array& x, const py::array& values, const py::array& indices,
                            const py::object& bias, int n, int m, int64_t k, float alpha, int threads,
-                           const py::object& residual, const py::object& x_up, const std::string& glu) {
+                           const py::object& residual, const py::object& x_up, const std::string& glu,
+                           const py::object& norm_weight, float norm_epsilon) {
   if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m " + std::to_string(n) + ":" + std::to_string(m));
   Glu gate;
   if (!parse_glu(glu.c_str(), &gate)) throw std::invalid_argument("glu must be 'none' or 'silu', got '" + glu + "'");
   const std::string kind = py::str(values.dtype());
-  if (kind == "float32") return run_cpu<float>(x, values, indices, bias, n, m, k, alpha, threads, residual, x_up, gate);
-  if (kind == "float16") return run_cpu<half_t>(x, values, indices, bias, n, m, k, alpha, threads, residual, x_up, gate);
+  if (kind == "float32")
+    return run_cpu<float>(x, values, indices, bias, n, m, k, alpha, threads, residual, x_up, gate, norm_weight, norm_epsilon);
+  if (kind == "float16")
+    return run_cpu<half_t>(x, values, indices, bias, n, m, k, alpha, threads, residual, x_up, gate, norm_weight, norm_epsilon);
   throw std::invalid_argument("values must be float32 or float16, got " + kind);
 }
 
@@ -99,9 +106,9 @@ PYBIND11_MODULE(_kernels, mod) {
   mod.def("nm_matmul_cpu", &nm_matmul_cpu_py, py::arg("x"), py::arg("values"), py::arg("indices"),
           py::arg("bias") = py::none(), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("alpha") = 1.0f,
           py::arg("threads") = 0, py::arg("residual") = py::none(), py::arg("x_up") = py::none(),
-          py::arg("glu") = "none",
-          "Y = alpha * A @ W + bias + residual on the CPU, A = x or (glu='silu') silu(x) * x_up; W packed per "
-          "docs/FORMAT.md, dtype from values.");
+          py::arg("glu") = "none", py::arg("norm_weight") = py::none(), py::arg("norm_epsilon") = 0.0f,
+          "Y = alpha * A @ W + bias + residual on the CPU, A = x, (glu='silu') silu(x) * x_up, or (norm_weight) "
+          "x / sqrt(mean(x^2) + norm_epsilon) * norm_weight; W packed per docs/FORMAT.md, dtype from values.");
 #ifdef NMCLI_WITH_CUDA
   nmcli::register_cuda_bindings(mod);
 #else

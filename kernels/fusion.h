@@ -1,8 +1,10 @@
 // What nmcli.NMMatMul fuses around the product (docs/FORMAT.md, "Fused neighbours"), so a
 // decoder layer runs fewer small kernels between the projections:
-//   A = X                      glu = none
-//   A = silu(X) * X_up         glu = silu (a gated MLP's activation, as in LLaMA's SwiGLU)
+//   A = X                                        neither
+//   A = silu(X) * X_up                           glu = silu (a gated MLP's activation, LLaMA's SwiGLU)
+//   A = X / sqrt(mean(X^2) + eps) * norm_weight  norm = rms (the RMSNorm that feeds Q/K/V, gate/up)
 //   Y = alpha * (A @ W) + bias + residual
+// (glu and norm exclude each other.)
 // Shared by the CPU and CUDA kernels.
 #pragma once
 #include <cmath>

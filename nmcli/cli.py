@@ -125,7 +125,7 @@ def prune(
     out.print(f"[green]wrote[/] {', '.join(str(p) for p in written)}")
 
 
-FUSED_NAMES = {"glu": "gated activation(s)", "residual": "residual add(s)"}
+FUSED_NAMES = {"glu": "gated activation(s)", "norm": "RMSNorm(s)", "residual": "residual add(s)"}
 
 
 @app.command()

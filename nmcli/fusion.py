@@ -1,11 +1,14 @@
 """Fusing an op's neighbours into it (docs/FORMAT.md, "Fused neighbours").
 
-At decode sizes a decoder layer spends a fifth of its time in small element-wise kernels
-between the projections. Two of them are pure bandwidth-free glue around our op, so the op
-takes them over:
+At decode sizes a decoder layer spends a fifth of its time in small kernels between the
+projections (BENCHMARKS.md, session 12). Three kinds sit right next to our op and read or write
+only what it reads or writes, so the op takes them over:
 * a residual `Add` right after it: `Y = A @ W + residual` (input 4), after o_proj and down_proj;
 * a gated activation right before it: `silu(g) * u`, written `Mul(Mul(g, Sigmoid(g)), u)` by
-  exporters, becomes `A = silu(X) * x_up` with X = g (input 5, attribute glu="silu").
+  exporters, becomes `A = silu(X) * x_up` with X = g (input 5, attribute glu="silu");
+* an RMSNorm right before it, as PyTorch exports it (`Pow(x, 2)` or `Mul(x, x)`, `ReduceMean`
+  over the last axis, `Add(eps)`, `Sqrt`, `Div(x, .)`, `Mul(., weight)`), becomes
+  `A = x / sqrt(mean(x^2) + eps) * weight` (input 6, attributes norm="rms", norm_epsilon).
 Only exact matches fuse: every intermediate tensor has the fused node as its only reader and is
 no graph output, and the tensors combined element-wise have the same shape as far as ONNX shape
 inference can prove (no broadcasting), so the op computes exactly what the nodes did."""
@@ -14,13 +17,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from .format import OP_DOMAIN, OP_TYPE
 
 SMALL_INITIALIZER = 4096  # elements: shape tensors and scalars keep their values for inference
-BIAS, RESIDUAL, X_UP = 3, 4, 5  # the op's optional inputs
+BIAS, RESIDUAL, X_UP, NORM_WEIGHT = 3, 4, 5, 6  # the op's optional inputs
 
 
 def inferred_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
@@ -64,8 +68,8 @@ def same_shape(shapes: dict, a: str, b: str) -> bool:
 def fuse_neighbours(graph: onnx.GraphProto, shapes: dict) -> dict[str, int]:
     """Fuse gated activations and residual adds into the graph's ops in place; returns the count
     of each kind fused."""
-    counts = {"glu": 0, "residual": 0}
-    for kind, fuse_one in (("glu", _fuse_glu), ("residual", _fuse_residual)):
+    counts = {"glu": 0, "norm": 0, "residual": 0}
+    for kind, fuse_one in (("glu", _fuse_glu), ("norm", _fuse_rms_norm), ("residual", _fuse_residual)):
         fused = True
         while fused:  # one fusion per sweep: it edits the graph the index was built from
             uses = _Uses(graph)
@@ -87,9 +91,19 @@ class _Uses:
             for name in n.input:
                 self.readers[name].append(n)
         self.outputs = {o.name for o in graph.output}
+        inputs = {i.name for i in graph.input}
+        self.initializers = {t.name: t for t in graph.initializer if t.name not in inputs}
 
     def only_reader(self, name: str, node: onnx.NodeProto) -> bool:
         return name not in self.outputs and len(self.readers[name]) == 1 and self.readers[name][0] is node
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of an initializer or Constant node output (None if not constant)."""
+        if name in self.initializers:
+            return numpy_helper.to_array(self.initializers[name])
+        node = self.made_by(name, "Constant")
+        value = next((a.t for a in node.attribute if a.name == "value"), None) if node is not None else None
+        return numpy_helper.to_array(value) if value is not None else None
 
     def made_by(self, name: str, op_type: str) -> onnx.NodeProto | None:
         node = self.producer.get(name)
@@ -127,6 +141,75 @@ def _fuse_glu(graph: onnx.GraphProto, op: onnx.NodeProto, shapes: dict, uses: _U
                 _remove(graph, [product, silu, sigmoid], uses)
                 return True
     return False
+
+
+def _fuse_rms_norm(graph: onnx.GraphProto, op: onnx.NodeProto, shapes: dict, uses: _Uses) -> bool:
+    """X = Mul(Div(x, Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps))), w) -> X = x, norm_weight = w."""
+    if len(op.input) > NORM_WEIGHT or any(a.name in ("glu", "norm") for a in op.attribute):
+        return False
+    normed = op.input[0]
+    scale = uses.made_by(normed, "Mul")
+    if scale is None or not uses.only_reader(normed, op):
+        return False
+    k = next(a.i for a in op.attribute if a.name == "k")
+    for divided, weight_name in ((scale.input[0], scale.input[1]), (scale.input[1], scale.input[0])):
+        weight = uses.constant(weight_name)
+        div = uses.made_by(divided, "Div")
+        if weight is None or weight.size != k or weight.shape[-1] != k or div is None or not uses.only_reader(divided, scale):
+            continue
+        x, rms = div.input
+        chain = _rms_of(uses, x, rms, div, shapes)
+        if chain is None or not same_shape(shapes, x, normed):
+            continue
+        nodes, epsilon = chain
+        if weight.ndim != 1:  # [1, ..., K]: the op takes [K]
+            weight_name = _unique_name(graph, weight_name + ".nm_norm_weight")
+            graph.initializer.append(numpy_helper.from_array(weight.reshape(k), weight_name))
+        op.input[0] = x
+        _set_input(op, NORM_WEIGHT, weight_name)
+        op.attribute.extend([helper.make_attribute("norm", "rms"), helper.make_attribute("norm_epsilon", epsilon)])
+        _remove(graph, [scale, div] + nodes, uses)
+        return True
+    return False
+
+
+def _rms_of(uses: _Uses, x: str, rms: str, div: onnx.NodeProto, shapes: dict):
+    """If rms = Sqrt(Add(ReduceMean(x^2, last axis, keepdims), eps)) with every intermediate read
+    once: (its nodes, eps), else None."""
+    sqrt = uses.made_by(rms, "Sqrt")
+    add = uses.made_by(sqrt.input[0], "Add") if sqrt is not None and uses.only_reader(rms, div) else None
+    if add is None or not uses.only_reader(sqrt.input[0], sqrt):
+        return None
+    rank = len(shapes.get(x) or ())
+    for mean_name, eps_name in ((add.input[0], add.input[1]), (add.input[1], add.input[0])):
+        eps, mean = uses.constant(eps_name), uses.made_by(mean_name, "ReduceMean")
+        if eps is None or eps.size != 1 or mean is None or not uses.only_reader(mean_name, add) or rank == 0:
+            continue
+        axes = uses.constant(mean.input[1]) if len(mean.input) > 1 and mean.input[1] else next(
+            (np.array(a.ints) for a in mean.attribute if a.name == "axes"), None)
+        keepdims = next((a.i for a in mean.attribute if a.name == "keepdims"), 1)
+        if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) % rank != rank - 1 or not keepdims:
+            continue
+        squared = mean.input[0]
+        square = uses.made_by(squared, "Pow") or uses.made_by(squared, "Mul")
+        if square is None or not uses.only_reader(squared, mean):
+            continue
+        if square.op_type == "Pow":
+            exponent = uses.constant(square.input[1])
+            ok = square.input[0] == x and exponent is not None and exponent.size == 1 and float(exponent.reshape(-1)[0]) == 2.0
+        else:
+            ok = list(square.input) == [x, x]
+        if ok:
+            return [sqrt, add, mean, square], float(eps.reshape(-1)[0])
+    return None
+
+
+def _unique_name(graph: onnx.GraphProto, name: str) -> str:
+    taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}.{i}", i + 1
+    return candidate
 
 
 def _fuse_residual(graph: onnx.GraphProto, op: onnx.NodeProto, shapes: dict, uses: _Uses) -> bool:

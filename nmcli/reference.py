@@ -39,6 +39,13 @@ def unit_roundoff(dtype) -> float:
     return {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[name]
 
 
+def rms_normalised(x: np.ndarray, weight: np.ndarray, epsilon: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + epsilon) * weight over the last axis, in float64: the activation the
+    op reads with norm="rms" (kernels/fusion.h)."""
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + epsilon) * weight.astype(np.float64)
+
+
 def error_ratio(y: np.ndarray, ref: np.ndarray, magnitude: np.ndarray, dtype, k: int,
                 rounded_input: bool = False) -> float:
     """||y - ref|| over its bound, the output's rounding (2u ||ref||) plus fp32 accumulation over

@@ -12,6 +12,20 @@ namespace {
   throw Ort::Exception(std::string("nmcli.NMMatMul: ") + what, ORT_INVALID_ARGUMENT);
 }
 
+// A string attribute's value, or "" when the node does not have it.
+std::string string_attribute(const OrtKernelInfo* info, const char* name) {
+  const OrtApi& api = Ort::GetApi();
+  size_t bytes = 0;
+  if (OrtStatus* absent = api.KernelInfoGetAttribute_string(info, name, nullptr, &bytes)) {
+    api.ReleaseStatus(absent);
+    return "";
+  }
+  std::string value(bytes, '\0');
+  Ort::ThrowOnError(api.KernelInfoGetAttribute_string(info, name, value.data(), &bytes));
+  value.resize(bytes > 0 ? bytes - 1 : 0);  // the size counts the terminating null
+  return value;
+}
+
 std::string dims_str(const std::vector<int64_t>& dims) {
   std::ostringstream os;
   os << "[";
@@ -39,15 +53,15 @@ NMMatMulAttrs NMMatMulAttrs::read(const OrtKernelInfo* info) {
     a.splits.resize(count);
     Ort::ThrowOnError(api.KernelInfoGetAttributeArray_int64(info, "splits", a.splits.data(), &count));
   }
-  size_t glu_bytes = 0;  // glu: absent for an ungated activation
-  if (OrtStatus* absent = api.KernelInfoGetAttribute_string(info, "glu", nullptr, &glu_bytes)) {
-    api.ReleaseStatus(absent);
-  } else {
-    std::string glu(glu_bytes, '\0');
-    Ort::ThrowOnError(api.KernelInfoGetAttribute_string(info, "glu", glu.data(), &glu_bytes));
-    glu.resize(glu_bytes > 0 ? glu_bytes - 1 : 0);  // the size counts the terminating null
-    if (!parse_glu(glu.c_str(), &a.glu)) fail("glu must be \"silu\" (or absent), got \"" + glu + "\"");
-  }
+  const std::string glu = string_attribute(info, "glu");  // absent for an ungated activation
+  if (!parse_glu(glu.c_str(), &a.glu)) fail("glu must be \"silu\" (or absent), got \"" + glu + "\"");
+  const std::string norm = string_attribute(info, "norm");
+  if (!norm.empty() && norm != "rms") fail("norm must be \"rms\" (or absent), got \"" + norm + "\"");
+  a.rms_norm = norm == "rms";
+  float epsilon = 0.0f;
+  if (OrtStatus* absent = api.KernelInfoGetAttribute_float(info, "norm_epsilon", &epsilon)) api.ReleaseStatus(absent);
+  else a.norm_epsilon = epsilon;
+  if (a.rms_norm && a.glu != Glu::none) fail("glu and norm exclude each other");
   if (a.splits.size() > static_cast<size_t>(kMaxOutputParts))
     fail("at most " + std::to_string(kMaxOutputParts) + " splits, got " + std::to_string(a.splits.size()));
   for (int64_t w : a.splits)
@@ -76,6 +90,7 @@ NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& a
   call.has_bias = present(3);
   call.has_residual = present(4);
   call.has_x_up = present(5);
+  call.has_norm_weight = present(6);
   if (call.has_bias) {
     const auto b_dims = ctx.GetInput(3).GetTensorTypeAndShapeInfo().GetShape();
     if (b_dims.size() != 1 || b_dims[0] != v_dims[0]) fail("bias has shape " + dims_str(b_dims) + ", expected [Nout]");
@@ -84,6 +99,9 @@ NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& a
   if (call.has_x_up && ctx.GetInput(5).GetTensorTypeAndShapeInfo().GetShape() != x_dims)
     fail("x_up has shape " + dims_str(ctx.GetInput(5).GetTensorTypeAndShapeInfo().GetShape()) + ", expected X's " +
          dims_str(x_dims));
+  if (call.has_norm_weight != attrs.rms_norm) fail("input norm_weight goes with attribute norm, and only with it");
+  if (call.has_norm_weight && ctx.GetInput(6).GetTensorTypeAndShapeInfo().GetShape() != std::vector<int64_t>{attrs.k})
+    fail("norm_weight has shape " + dims_str(ctx.GetInput(6).GetTensorTypeAndShapeInfo().GetShape()) + ", expected [K]");
   if (call.has_residual) {
     std::vector<int64_t> y_dims = x_dims;
     y_dims.back() = v_dims[0];

@@ -1,10 +1,12 @@
 // What the CPU and CUDA kernels of nmcli.NMMatMul share: the op's signature, its attributes,
 // input validation (the only place that turns bad tensors into messages) and shape inference.
 //
-//   Y = NMMatMul(X, values, indices[, bias][, residual][, x_up]; n, m, k, alpha[, glu])
+//   Y = NMMatMul(X, values, indices[, bias][, residual][, x_up][, norm_weight]; n, m, k, alpha[, glu]
+//                [, norm, norm_epsilon])
 //   X [..., K] T, values [Nout, S] T, indices [Nout, S*B/32] uint32, bias [Nout] T -> Y [..., Nout] T
-//   Y = alpha * (A @ W) + bias + residual, A = X or, with glu = "silu", silu(X) * x_up
-//   (residual: Y's shape; x_up: X's shape; docs/FORMAT.md "Fused neighbours").
+//   Y = alpha * (A @ W) + bias + residual, A = X, or silu(X) * x_up (glu = "silu"), or
+//   X / sqrt(mean(X^2) + norm_epsilon) * norm_weight (norm = "rms")
+//   (residual: Y's shape; x_up: X's shape; norm_weight: [K]; docs/FORMAT.md "Fused neighbours").
 // With the optional attribute splits = [w_0, ..., w_p-1] (sum Nout, at most kMaxOutputParts) the
 // op has p outputs Y_i [..., w_i]: consecutive column ranges of Y (a fused sibling group, so no
 // Split has to copy them apart).
@@ -31,6 +33,8 @@ struct NMMatMulAttrs {
   float alpha = 1.0f;
   std::vector<int64_t> splits;  // empty: one output
   Glu glu = Glu::none;
+  bool rms_norm = false;
+  float norm_epsilon = 0.0f;
   static NMMatMulAttrs read(const OrtKernelInfo* info);
 };
 
@@ -40,7 +44,7 @@ struct NMMatMulCall {
   int64_t rows = 0;                 // product of X's leading dims
   std::vector<int64_t> leading;     // X's leading dims
   std::vector<int64_t> widths;      // columns of each output ({Nout}, or the splits)
-  bool has_bias = false, has_residual = false, has_x_up = false;
+  bool has_bias = false, has_residual = false, has_x_up = false, has_norm_weight = false;
   static NMMatMulCall check(Ort::KernelContext& ctx, const NMMatMulAttrs& attrs);
   // Allocates the outputs through ORT: output i is [leading..., widths[i]].
   OutputParts<void> outputs(Ort::KernelContext& ctx) const;
@@ -68,7 +72,7 @@ template <typename TOp, typename TKernel>
 struct NMMatMulOpBase : Ort::CustomOpBase<TOp, TKernel, true> {
   NMMatMulOpBase() { OrtCustomOp::InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* c) { return infer_output_shape(c); }; }
   const char* GetName() const { return kOpName; }
-  size_t GetInputTypeCount() const { return 6; }  // X, values, indices, bias, residual, x_up
+  size_t GetInputTypeCount() const { return 7; }  // X, values, indices, bias, residual, x_up, norm_weight
   ONNXTensorElementDataType GetInputType(size_t index) const {
     return index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32 : TOp::kElementType;
   }

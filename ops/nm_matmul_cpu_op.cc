@@ -28,6 +28,8 @@ struct CpuKernel {
       args.residual = call.has_residual ? reinterpret_cast<const T*>(ctx.GetInput(4).GetTensorData<OrtT>()) : nullptr;
       args.x_up = call.has_x_up ? reinterpret_cast<const T*>(ctx.GetInput(5).GetTensorData<OrtT>()) : nullptr;
       args.glu = attrs_.glu;
+      args.norm_weight = call.has_norm_weight ? reinterpret_cast<const T*>(ctx.GetInput(6).GetTensorData<OrtT>()) : nullptr;
+      args.norm_epsilon = attrs_.norm_epsilon;
       args.y = y.as<T>();
       args.rows = call.rows;
       args.alpha = attrs_.alpha;

@@ -51,12 +51,14 @@ struct CudaKernel {
       m.residual = call.has_residual ? ctx.GetInput(4).GetTensorRawData() : nullptr;
       m.x_up = call.has_x_up ? ctx.GetInput(5).GetTensorRawData() : nullptr;
       m.glu = attrs_.glu;
+      m.norm_weight = call.has_norm_weight ? ctx.GetInput(6).GetTensorRawData() : nullptr;
+      m.norm_epsilon = attrs_.norm_epsilon;
       m.y = call.outputs(ctx);
       m.rows = call.rows;
       m.alpha = attrs_.alpha;
       m.shape = call.shape;
       void* stream = ctx.GetGPUComputeStream();
-      // A gated call off the decode path gates X into a workspace first: from ORT's device arena,
+      // A gated or normalised call off the decode path writes A into a workspace first: from ORT's device arena,
       // stream-ordered like ORT's own temporaries (freed after the launch, reused by later kernels
       // of the same stream only).
       Workspace workspace(ctx, nm_matmul_cuda_workspace_bytes(m));

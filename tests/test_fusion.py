@@ -1,5 +1,5 @@
-"""Neighbour fusion (nmcli/fusion.py): residual adds and SiLU-gated products move into the op
-only when the op then computes exactly what the removed nodes did."""
+"""Neighbour fusion (nmcli/fusion.py): residual adds, SiLU-gated products and RMSNorms move into
+the op only when the op then computes exactly what the removed nodes did."""
 import numpy as np
 import pytest
 from models import make_model, vinfo
@@ -15,17 +15,19 @@ def op_types(model):
     return [n.op_type for n in model.graph.node]
 
 
-def test_llama_layers_fuse_residuals_and_gates(rng):
+def test_llama_layers_fuse_norms_residuals_and_gates(rng):
     config = LlamaConfig(hidden=64, ffn=96, heads=4, layers=2, dtype="float32")
     dense = llama_model(config, rng)
     fused, report = prune_model(dense, Selection(NMPattern(2, 8)))
     plain, plain_report = prune_model(dense, Selection(NMPattern(2, 8)), fuse=False)
-    assert report.fused == {"glu": 2, "residual": 4} and plain_report.fused == {}
+    assert report.fused == {"glu": 2, "norm": 4, "residual": 4} and plain_report.fused == {}
     ops = op_types(fused)
-    assert "Sigmoid" not in ops
-    assert ops.count("Add") == op_types(plain).count("Add") - 4  # the RMSNorm epsilons stay
+    assert not {"Sigmoid", "Pow", "ReduceMean", "Sqrt", "Div", "Add"} & set(ops), ops
+    assert ops.count("NMMatMul") == 8
     gated = [n for n in fused.graph.node if any(a.name == "glu" for a in n.attribute)]
     assert len(gated) == 2 and all(len(n.input) == 6 for n in gated)
+    normed = [n for n in fused.graph.node if any(a.name == "norm" for a in n.attribute)]
+    assert len(normed) == 4 and all(len(n.input) == 7 for n in normed)
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     (y_fused,) = nmcli.session(fused).run(None, {"x": x})
     (y_plain,) = nmcli.session(plain).run(None, {"x": x})
@@ -93,3 +95,38 @@ def test_gated_product_fuses_in_either_operand_order(rng):
 def test_gated_product_stays_when_not_exact(rng, extra_reader, up_shape):
     pruned, report = prune_model(_gated_model(rng, extra_reader, up_shape), Selection(NMPattern(2, 8)))
     assert report.fused["glu"] == 0 and "Sigmoid" in op_types(pruned)
+
+
+def _rms_model(rng, axis=-1, extra_reader=False, weight_shape=(32,), square="Pow"):
+    """x -> RMSNorm (PyTorch's export, or Mul(x, x) for the square) -> MatMul."""
+    n = helper.make_node
+    sq = n("Pow", ["x", "two"], ["sq"], name="sq") if square == "Pow" else n("Mul", ["x", "x"], ["sq"], name="sq")
+    nodes = [sq, n("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1, name="mean"),
+             n("Add", ["eps", "ms"], ["ms_eps"], name="eps_add"), n("Sqrt", ["ms_eps"], ["rms"], name="sqrt"),
+             n("Div", ["x", "rms"], ["normed"], name="div"), n("Mul", ["gamma", "normed"], ["h"], name="scale"),
+             n("MatMul", ["h", "W"], ["y"], name="mm")]
+    outputs = [vinfo("y", np.float32, None)]
+    if extra_reader:
+        outputs.append(vinfo("h", np.float32, None))
+    inits = [numpy_helper.from_array(a, name) for name, a in (
+        ("two", np.array(2.0, np.float32)), ("axes", np.array([axis], np.int64)), ("eps", np.array(1e-3, np.float32)),
+        ("gamma", (1 + 0.2 * rng.standard_normal(weight_shape)).astype(np.float32)),
+        ("W", rng.standard_normal((32, 24)).astype(np.float32)))]
+    return make_model(nodes, [vinfo("x", np.float32, ["b", "s", 32])], outputs, inits, opset=18)
+
+
+@pytest.mark.parametrize("weight_shape,square", [((32,), "Pow"), ((1, 1, 32), "Mul")])
+def test_rms_norm_fuses_into_the_op(rng, weight_shape, square):
+    dense = _rms_model(rng, weight_shape=weight_shape, square=square)
+    pruned, report = prune_model(dense, Selection(NMPattern(2, 8)))
+    assert report.fused["norm"] == 1 and op_types(pruned) == ["NMMatMul"]
+    x = (3 * rng.standard_normal((2, 5, 32))).astype(np.float32)
+    (y,) = nmcli.session(pruned).run(None, {"x": x})
+    (y_plain,) = nmcli.session(prune_model(dense, Selection(NMPattern(2, 8)), fuse=False)[0]).run(None, {"x": x})
+    assert relative_error(y, y_plain.astype(np.float64)) < 1e-5
+
+
+@pytest.mark.parametrize("axis,extra_reader", [(1, False), (-1, True)])
+def test_rms_norm_stays_when_not_exact(rng, axis, extra_reader):
+    pruned, report = prune_model(_rms_model(rng, axis, extra_reader), Selection(NMPattern(2, 8)))
+    assert report.fused["norm"] == 0 and "ReduceMean" in op_types(pruned)

@@ -7,7 +7,7 @@ from conftest import FAMILIES
 
 from nmcli.format import NMPattern, pack, unpack
 from nmcli.masks import choose_offsets
-from nmcli.reference import dense_reference, error_ratio, gated_activation, relative_error
+from nmcli.reference import dense_reference, error_ratio, gated_activation, relative_error, rms_normalised
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -92,28 +92,35 @@ def test_cuda_paths_write_split_outputs(rng, dtype_name, rows, k, widths):
             start += width
 
 
+@pytest.mark.parametrize("prologue", ["glu", "norm"])
 @pytest.mark.parametrize("dtype_name", ["float16", "float32", "bfloat16"])
 @pytest.mark.parametrize("n,m", [(2, 8), (2, 4), (4, 16)])
 @pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (5, 300, 33), (12, 1000, 200), (17, 130, 300),
-                                         (64, 1024, 2048), (300, 520, 130)])
-def test_cuda_paths_fuse_residual_and_gate(rng, dtype_name, n, m, rows, k, nout):
-    """Y = alpha * (silu(x) * x_up) @ W + bias + residual on every path (the ones off decode gate
-    x into a workspace first), from fresh data into poisoned outputs."""
+                                         (64, 1024, 2048), (300, 520, 130), (2, 60000, 40)])
+def test_cuda_paths_fuse_residual_and_prologue(rng, prologue, dtype_name, n, m, rows, k, nout):
+    """Y = alpha * A @ W + bias + residual, A = silu(x) * x_up or RMSNorm(x) * weight, on every
+    path (the ones off decode write A into a workspace first; K = 60000 stages X in several
+    chunks), from fresh data into poisoned outputs."""
     pattern = NMPattern(n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
     x_up, residual = random_array(rng, (rows, k), dtype_name), random_array(rng, (rows, nout), dtype_name)
-    ref, magnitude = dense_reference(gated_activation(x, x_up), unpack(packed), bias, 0.75, residual=residual)
+    gd = to_device(1 + 0.3 * random_array(rng, (k,), dtype_name).astype(np.float32), dtype_name)
+    gamma = gd.float().cpu().numpy().astype(x.dtype)  # the stored numbers, rounded to the dtype
+    a = gated_activation(x, x_up) if prologue == "glu" else rms_normalised(x, gamma, 1e-5)
+    ref, magnitude = dense_reference(a, unpack(packed), bias, 0.75, residual=residual)
     xd, ud, rd = to_device(x, dtype_name), to_device(x_up, dtype_name), to_device(residual, dtype_name)
     vd, bd = to_device(packed.values, dtype_name), to_device(bias, dtype_name)
     idx = torch.from_numpy(packed.indices.view(np.int32)).cuda()
+    glu = "silu" if prologue == "glu" else "none"
     for path in paths_for(rows, pattern, dtype_name, k):
-        need = kernels.cuda_workspace_bytes(rows, n, m, k, nout, dtype_name, "silu", path)
+        need = kernels.cuda_workspace_bytes(rows, n, m, k, nout, dtype_name, glu, path, norm=prologue == "norm")
         workspace = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
         y = torch.full((rows, nout), float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name])
         kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), bd.data_ptr(), y.data_ptr(), rows, n, m,
                                k, nout, dtype_name, 0.75, torch.cuda.current_stream().cuda_stream, path,
-                               residual=rd.data_ptr(), x_up=ud.data_ptr(), glu="silu",
-                               workspace=workspace.data_ptr() if need else 0)
+                               residual=rd.data_ptr(), x_up=ud.data_ptr() if prologue == "glu" else 0, glu=glu,
+                               workspace=workspace.data_ptr() if need else 0,
+                               norm_weight=gd.data_ptr() if prologue == "norm" else 0, norm_epsilon=1e-5)
         torch.cuda.synchronize()
         got = y.float().cpu().numpy().astype(np.float64)
         assert error_ratio(got, ref, magnitude, dtype_name, k, rounded_input=True) < 1, (path, need)
@@ -129,7 +136,7 @@ def test_ort_cuda_llama_block_with_fused_neighbours(rng):
     from nmcli.llama import LlamaConfig, llama_model
     dense = llama_model(LlamaConfig(hidden=256, ffn=688, heads=4, layers=2, dtype="float16"), rng)
     pruned, report = nmcli.prune_model(dense, nmcli.Selection(nmcli.NMPattern(2, 8)))
-    assert report.fused == {"glu": 2, "residual": 4}
+    assert report.fused == {"glu": 2, "norm": 4, "residual": 4}
     for tokens in (1, 40):
         x = rng.standard_normal((1, tokens, 256)).astype(np.float16)
         (expected,) = nmcli.session(pruned).run(None, {"x": x})

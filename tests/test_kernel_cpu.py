@@ -6,7 +6,7 @@ from conftest import FAMILIES
 from nmcli import _kernels
 from nmcli.format import NMPattern, pack, unpack
 from nmcli.masks import choose_offsets
-from nmcli.reference import dense_reference, error_ratio, gated_activation
+from nmcli.reference import dense_reference, error_ratio, gated_activation, rms_normalised
 
 
 def packed_random(rng, k, nout, pattern, dtype):
@@ -49,6 +49,19 @@ def test_fused_neighbours_match_reference(rng, dtype, x_shape, k, nout, nm, resi
     assert y.shape == ref.shape and error_ratio(y, ref, magnitude, dtype, k) < 1
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("x_shape,k,nout", [((1, 64), 64, 5), ((2, 3, 71), 71, 17), ((9, 130), 130, 40)])
+def test_rms_norm_prologue_matches_reference(rng, dtype, x_shape, k, nout):
+    packed = packed_random(rng, k, nout, NMPattern(2, 8), dtype)
+    x = (4 * rng.standard_normal(x_shape)).astype(dtype)
+    gamma = (1 + 0.3 * rng.standard_normal(k)).astype(dtype)
+    r = rng.standard_normal(x_shape[:-1] + (nout,)).astype(dtype)
+    y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=2, m=8, k=k, residual=r, norm_weight=gamma,
+                               norm_epsilon=1e-5)
+    ref, magnitude = dense_reference(rms_normalised(x, gamma, 1e-5), unpack(packed), residual=r)
+    assert error_ratio(y, ref, magnitude, dtype, k, rounded_input=True) < 1
+
+
 def test_fused_neighbours_reject_bad_inputs(rng):
     packed = packed_random(rng, 64, 8, NMPattern(2, 8), np.float32)
     x = rng.standard_normal((2, 64)).astype(np.float32)
@@ -61,6 +74,11 @@ def test_fused_neighbours_reject_bad_inputs(rng):
         _kernels.nm_matmul_cpu(x, packed.values, packed.indices, x_up=x, **call)
     with pytest.raises(ValueError, match="glu must be"):
         _kernels.nm_matmul_cpu(x, packed.values, packed.indices, x_up=x, glu="gelu", **call)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        _kernels.nm_matmul_cpu(x, packed.values, packed.indices, norm_weight=np.ones(63, np.float32), **call)
+    with pytest.raises(ValueError, match="exclude each other"):
+        _kernels.nm_matmul_cpu(x, packed.values, packed.indices, x_up=x, glu="silu", norm_weight=np.ones(64, np.float32),
+                               **call)
 
 
 def test_threads_agree(rng):

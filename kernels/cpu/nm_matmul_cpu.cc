@@ -1,6 +1,7 @@
 #include "nm_matmul_cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <thread>
 #include <type_traits>
@@ -12,7 +13,7 @@ template <typename T>
 NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args) : args_(args) {
   const int64_t count = args.rows * args.shape.k;
   if constexpr (std::is_same_v<T, float>) {
-    if (args.glu == Glu::none) {
+    if (args.glu == Glu::none && !args.norm_weight) {
       x32_ = args.x;
       return;
     }
@@ -22,6 +23,16 @@ NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args) : args_(args) {
   for (int64_t i = 0; i < count; ++i)
     x32_storage_[i] = args.glu == Glu::none ? to_float(args.x[i])
                                             : gated_activation(args.glu, to_float(args.x[i]), to_float(args.x_up[i]));
+  if (args.norm_weight) {
+    const int64_t K = args.shape.k;
+    for (int64_t r = 0; r < args.rows; ++r) {
+      float* row = x32_storage_ + r * K;
+      double squares = 0.0;
+      for (int64_t k = 0; k < K; ++k) squares += static_cast<double>(row[k]) * row[k];
+      const float scale = 1.0f / std::sqrt(static_cast<float>(squares / K) + args.norm_epsilon);
+      for (int64_t k = 0; k < K; ++k) row[k] = row[k] * scale * to_float(args.norm_weight[k]);
+    }
+  }
   x32_ = x32_storage_;
 }
 

@@ -1,5 +1,5 @@
 // CPU implementation of Y = alpha * (A @ W) + bias + residual with W in the packed N:M format
-// (A = X, or silu(X) * X_up: kernels/fusion.h).
+// (A = X, silu(X) * X_up, or RMSNorm(X) * norm_weight: kernels/fusion.h).
 #pragma once
 #include <cstdint>
 
@@ -19,6 +19,8 @@ struct NMMatMulArgs {
   const T* residual = nullptr;    // [rows, Nout] added to the output, or null (single output only)
   const T* x_up = nullptr;        // [rows, K], read when glu != none
   Glu glu = Glu::none;
+  const T* norm_weight = nullptr; // [K]: A = X / sqrt(mean(X^2) + eps) * norm_weight, or null
+  float norm_epsilon = 0.0f;
   OutputParts<T> y;               // [rows, Nout], or column ranges into several tensors
   int64_t rows = 0;
   float alpha = 1.0f;
@@ -43,7 +45,7 @@ class NMMatMulCpu {
  private:
   NMMatMulArgs<T> args_;
   const float* x32_ = nullptr;    // activations A as fp32 [rows, K]
-  float* x32_storage_ = nullptr;  // owned when T is not float or the activation is gated
+  float* x32_storage_ = nullptr;  // owned when T is not float or A is not X
 };
 
 // Convenience: the whole product on std::threads (used by the pybind module and tests).

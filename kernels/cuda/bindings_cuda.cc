@@ -65,7 +65,7 @@ void register_cuda_bindings(py::module_& mod) {
       [](uintptr_t x, uintptr_t values, uintptr_t indices, uintptr_t bias, const py::object& y, int64_t rows, int n, int m,
          int64_t k, int64_t nout, const std::string& dtype, float alpha, uintptr_t stream, const std::string& path,
          const std::vector<int64_t>& splits, uintptr_t residual, uintptr_t x_up, const std::string& glu,
-         uintptr_t workspace) {
+         uintptr_t workspace, uintptr_t norm_weight, float norm_epsilon) {
         if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m");
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
@@ -77,6 +77,9 @@ void register_cuda_bindings(py::module_& mod) {
         call.x_up = reinterpret_cast<const void*>(x_up);
         call.glu = parse_glu_arg(glu);
         call.workspace = reinterpret_cast<void*>(workspace);
+        call.norm_weight = reinterpret_cast<const void*>(norm_weight);
+        call.norm_epsilon = norm_epsilon;
+        if (norm_weight && call.glu != Glu::none) throw std::invalid_argument("glu and norm_weight exclude each other");
         call.y = parse_outputs(y, splits, nout);
         if (residual && call.y.count > 1) throw std::invalid_argument("a residual needs a single output");
         if ((call.glu != Glu::none) != (x_up != 0)) throw std::invalid_argument("x_up goes with glu='silu' and only with it");
@@ -93,23 +96,27 @@ void register_cuda_bindings(py::module_& mod) {
       py::arg("x"), py::arg("values"), py::arg("indices"), py::arg("bias"), py::arg("y"), py::arg("rows"), py::arg("n"),
       py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("alpha") = 1.0f, py::arg("stream") = 0,
       py::arg("path") = "auto", py::arg("splits") = std::vector<int64_t>{}, py::arg("residual") = 0,
-      py::arg("x_up") = 0, py::arg("glu") = "none", py::arg("workspace") = 0,
+      py::arg("x_up") = 0, py::arg("glu") = "none", py::arg("workspace") = 0, py::arg("norm_weight") = 0,
+      py::arg("norm_epsilon") = 0.0f,
       "Launch on device pointers (bias, residual may be 0; y one pointer, or a list with `splits`, the columns "
-      "each holds; glu='silu' multiplies silu(x) * x_up, and needs `workspace` on some paths). Asynchronous on "
+      "each holds; glu='silu' multiplies silu(x) * x_up, norm_weight normalises x by its RMS; both need "
+      "`workspace` on some paths). Asynchronous on "
       "`stream`; no allocation.");
   mod.def(
       "cuda_workspace_bytes",
       [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype, const std::string& glu,
-         const std::string& path) {
+         const std::string& path, bool norm) {
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
         call.rows = rows;
         call.glu = parse_glu_arg(glu);
+        static const char kAnyWeight = 0;
+        call.norm_weight = norm ? &kAnyWeight : nullptr;
         call.shape = NMShape::make(k, nout, n, m);
         return nm_matmul_cuda_workspace_bytes(call, parse_path(path));
       },
       py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("glu"),
-      py::arg("path") = "auto", "Workspace bytes nm_matmul_cuda needs for this call (0 for most calls).");
+      py::arg("path") = "auto", py::arg("norm") = false, "Workspace bytes nm_matmul_cuda needs for this call (0 for most calls).");
   mod.def(
       "cuda_device_count",
       [] {

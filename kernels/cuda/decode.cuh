@@ -129,13 +129,18 @@ __device__ __forceinline__ void load_position(const S* src, float (&x)[R]) {
 // (K a multiple of the vector, X aligned), consecutive threads take consecutive rows, then
 // consecutive runs at the same place within the run, so under the run layout their stores land
 // in consecutive slots.
+// Fused prologues (kernels/fusion.h): a gated call stages silu(x) * x_up; a normalised call
+// stages x * norm_weight and, with `sumsq` (on the block's first pass over K), adds each row's
+// sum of squares of x into sumsq[r]: the row's 1 / rms scales its outputs in finish_row.
 template <typename T, typename S, int R, typename Layout>
-__device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* xs, int64_t p0) {
+__device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* xs, int64_t p0, float* sumsq) {
   constexpr int VEC = 16 / sizeof(T);
   const int staged = p.staged_positions;  // a multiple of the run length, as is p0
-  const bool gate = p.glu != Glu::none;  // stage silu(x) * x_up (kernels/fusion.h)
+  const bool gate = p.glu != Glu::none;
+  const T* gamma = p.norm_weight;
+  float squares = 0.f;  // this thread's row: kThreads is a multiple of R
   if (p.k % VEC == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
-      (!gate || reinterpret_cast<uintptr_t>(p.x_up) % 16 == 0)) {
+      (!gate || reinterpret_cast<uintptr_t>(p.x_up) % 16 == 0) && reinterpret_cast<uintptr_t>(gamma) % 16 == 0) {
     constexpr int kRun = Layout::kRun > 0 ? Layout::kRun : VEC;  // positions that share a column
     constexpr int kPieces = kRun / VEC;                           // vectors of X per run
     const int runs = staged / kRun;
@@ -149,10 +154,18 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
         v = __ldg(reinterpret_cast<const uint4*>(p.x + r * p.k + k));
         if (gate) u = __ldg(reinterpret_cast<const uint4*>(p.x_up + r * p.k + k));
       }
+      if (gamma && k < p.k) u = __ldg(reinterpret_cast<const uint4*>(gamma + k));
 #pragma unroll
-      for (int i = 0; i < VEC; ++i)
-        xs[Layout::slot(q + i) * R + r] =
-            from_f32<S>(gate ? gated_activation(p.glu, vec_entry<T>(v, i), vec_entry<T>(u, i)) : vec_entry<T>(v, i));
+      for (int i = 0; i < VEC; ++i) {
+        const float x = vec_entry<T>(v, i);
+        squares = fmaf(x, x, squares);
+        const float a = gate ? gated_activation(p.glu, x, vec_entry<T>(u, i)) : gamma ? x * vec_entry<T>(u, i) : x;
+        xs[Layout::slot(q + i) * R + r] = from_f32<S>(a);
+      }
+    }
+    if (sumsq) {  // lanes l, l + R, ... hold row l % R (a warp starts at a multiple of R)
+      for (int o = 16; o >= R; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
+      if ((threadIdx.x & 31) < R) atomicAdd(&sumsq[threadIdx.x & 31], squares);
     }
   } else {
 #pragma unroll 4
@@ -160,7 +173,13 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
       const int r = idx / staged, q = idx - r * staged;
       const int64_t k = p0 + q;
       const int64_t i = r * p.k + k;
-      const float a = k < p.k && r < p.rows ? gated_activation(p.glu, to_f32(p.x[i]), gate ? to_f32(p.x_up[i]) : 0.f) : 0.f;
+      const bool real = k < p.k && r < p.rows;
+      const float x = real ? to_f32(p.x[i]) : 0.f;
+      float a = real ? gated_activation(p.glu, x, gate ? to_f32(p.x_up[i]) : 0.f) : 0.f;
+      if (gamma && real) {
+        a *= to_f32(gamma[k]);
+        if (sumsq) atomicAdd(&sumsq[r], x * x);
+      }
       xs[Layout::slot(q) * R + r] = from_f32<S>(a);
     }
   }
@@ -192,6 +211,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
 
   extern __shared__ __align__(16) unsigned char smem[];
   S* xs = reinterpret_cast<S*>(smem);
+  // Row sums of squares of a normalised call, complete once the block's first tile has staged all of K.
+  __shared__ float norm_sumsq[kDecodeMaxRows];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tiles = static_cast<int>((p.nout + kRowsPerBlock - 1) / kRowsPerBlock);
   const int groups = static_cast<int>(p.groups);
@@ -295,8 +316,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
       const float b = p.bias ? to_f32(p.bias[row]) : 0.f;
       const OutputColumn<T> y = p.y.column(row);
 #pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[r] + b + residual_at(p, r, row));
+      for (int r = 0; r < R; ++r) {
+        // A normalised row's 1 / rms, from the sum of squares of the block's first pass.
+        const float scale = p.norm_weight ? rsqrtf(norm_sumsq[r] / static_cast<float>(p.k) + p.norm_epsilon) : 1.f;
+        if (r < p.rows) y[r] = from_f32<T>(p.alpha * scale * acc[r] + b + residual_at(p, r, row));
+      }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
@@ -314,8 +338,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
         // point; the activations (and every write) wait for the kernel that produced them.
         wait_for_previous_kernel();
         allow_next_kernel();
+        if (p.norm_weight) {
+          if (threadIdx.x < kDecodeMaxRows) norm_sumsq[threadIdx.x] = 0.f;
+          __syncthreads();
+        }
       }
-      stage_activations<T, S, R, Layout>(p, xs, static_cast<int64_t>(s.g0) * m);
+      const bool first_pass = s.tile == static_cast<int>(blockIdx.x);
+      stage_activations<T, S, R, Layout>(p, xs, static_cast<int64_t>(s.g0) * m,
+                                         p.norm_weight && first_pass ? norm_sumsq : nullptr);
       __syncthreads();
       staged = true;
     }

@@ -40,6 +40,8 @@ PathParams<T> typed(const CudaMatMul& c) {
   p.residual = static_cast<const T*>(c.residual);
   p.x_up = static_cast<const T*>(c.x_up);
   p.glu = c.glu;
+  p.norm_weight = static_cast<const T*>(c.norm_weight);
+  p.norm_epsilon = c.norm_epsilon;
   p.y = c.y.as<T>();
   p.rows = c.rows;
   p.k = c.shape.k;
@@ -59,15 +61,18 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
   if (path == CudaPath::decode) {
     DecodeParamsT<T> p;
     static_cast<PathParams<T>&>(p) = typed<T>(c);
-    return run_decode<T>(p, stream);  // gates while it stages X
+    return run_decode<T>(p, stream);  // gates or normalises while it stages X
   }
   PathParams<T> p = typed<T>(c);
-  if (p.glu != Glu::none) {  // the other paths copy X as it is: gate it into the workspace first
-    T* gated = static_cast<T*>(c.workspace);
-    if (cudaError_t e = run_glu<T>(p.x, p.x_up, p.glu, gated, p.rows * p.k, stream); e != cudaSuccess) return e;
-    p.x = gated;
+  if (p.glu != Glu::none || p.norm_weight) {  // the other paths copy X as it is: write A out first
+    T* a = static_cast<T*>(c.workspace);
+    const cudaError_t e = p.norm_weight ? run_rms_norm<T>(p.x, p.norm_weight, p.norm_epsilon, a, p.rows, p.k, stream)
+                                        : run_glu<T>(p.x, p.x_up, p.glu, a, p.rows * p.k, stream);
+    if (e != cudaSuccess) return e;
+    p.x = a;
     p.x_up = nullptr;
     p.glu = Glu::none;
+    p.norm_weight = nullptr;
   }
   if (path == CudaPath::mma) return run_mma<T>(p, stream);
 #if defined(NMCLI_WITH_SM90A)
@@ -114,8 +119,8 @@ bool use_pdl() {
 bool wgmma_supported(const CudaMatMul& call, bool sparse_tensor_cores) {
 #if defined(NMCLI_WITH_SM90A)
   const int n = call.shape.n, m = call.shape.m;
-  // A gated call reads X from the (aligned) workspace.
-  const bool aligned = call.glu != Glu::none || reinterpret_cast<uintptr_t>(call.x) % 16 == 0;
+  // A gated or normalised call reads A from the (aligned) workspace.
+  const bool aligned = call.glu != Glu::none || call.norm_weight || reinterpret_cast<uintptr_t>(call.x) % 16 == 0;
   return call.dtype != DType::f32 && call.shape.k % 8 == 0 && aligned &&
          (sparse_tensor_cores ? wgmma_sp_family(n, m) : wgmma_family(n, m)) && wgmma_device();
 #else
@@ -195,7 +200,7 @@ bool path_from_name(const char* name, CudaPath* path) {
 }
 
 size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path) {
-  if (call.glu == Glu::none || call.rows == 0 || call.shape.nout == 0) return 0;
+  if ((call.glu == Glu::none && !call.norm_weight) || call.rows == 0 || call.shape.nout == 0) return 0;
   if (path == CudaPath::automatic) path = choose_path(call);
   if (path == CudaPath::decode) return 0;
   return static_cast<size_t>(call.rows * call.shape.k) * dtype_bytes(call.dtype);
@@ -205,7 +210,8 @@ int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
   if (call.rows == 0 || call.shape.nout == 0) return cudaSuccess;
   if (path == CudaPath::automatic) path = choose_path(call);
   if (!path_supported(call, path)) return cudaErrorInvalidValue;
-  if (call.glu != Glu::none && call.x_up == nullptr) return cudaErrorInvalidValue;
+  if ((call.glu != Glu::none && call.x_up == nullptr) || (call.glu != Glu::none && call.norm_weight))
+    return cudaErrorInvalidValue;
   if (nm_matmul_cuda_workspace_bytes(call, path) > 0 &&
       (call.workspace == nullptr || reinterpret_cast<uintptr_t>(call.workspace) % 16 != 0))
     return cudaErrorInvalidValue;

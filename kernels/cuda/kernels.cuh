@@ -16,6 +16,8 @@ struct PathParams {
   const T* residual;  // [rows, Nout] added to the output (a single one), or null
   const T* x_up;      // [rows, K]: with glu, the product reads gated_activation(glu, x, x_up)
   Glu glu;            // only the decode path gates; dispatch gates X first for the others
+  const T* norm_weight;  // [K]: A = RMSNorm(X) * norm_weight (decode only, like glu), or null
+  float norm_epsilon;
   OutputParts<T> y;
   int64_t rows, k, nout, groups, row_len, index_words;
   int n, m, bits;
@@ -42,8 +44,11 @@ __device__ __forceinline__ float residual_at(const PathParams<T>& p, int64_t row
   return p.residual ? to_f32(p.residual[row * p.nout + col]) : 0.f;
 }
 
-// out[i] = gated_activation(glu, x[i], up[i]) for i < count (the paths that copy X as it is).
+// The activation A written out once for the paths that copy X as it is (prologue.cu): the gated
+// one, out[i] = gated_activation(glu, x[i], up[i]), or the RMS-normalised one, row by row.
 template <typename T> cudaError_t run_glu(const T* x, const T* up, Glu glu, T* out, int64_t count, cudaStream_t stream);
+template <typename T>
+cudaError_t run_rms_norm(const T* x, const T* weight, float epsilon, T* out, int64_t rows, int64_t k, cudaStream_t stream);
 
 template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t stream);
 // Whether the decode kernel for `rows` stages the activations of the whole K at once (one chunk).

@@ -24,6 +24,8 @@ struct CudaMatMul {
   const void* residual = nullptr;     // [rows, Nout] added to the output (single output only), or null
   const void* x_up = nullptr;         // [rows, K], read when glu != none
   Glu glu = Glu::none;
+  const void* norm_weight = nullptr;  // [K]: A = X / sqrt(mean(X^2) + eps) * norm_weight, or null
+  float norm_epsilon = 0.0f;
   void* workspace = nullptr;          // nm_matmul_cuda_workspace_bytes(call, path) bytes, 16-byte aligned
   OutputParts<void> y;                // [rows, Nout], or column ranges into several tensors
   int64_t rows = 0;
@@ -41,8 +43,8 @@ const char* path_name(CudaPath path);
 // The path `path_name` spells as `name`; false when there is none.
 bool path_from_name(const char* name, CudaPath* path);
 
-// Device memory the call needs in `workspace` on `path` (0 for most calls: only gated calls on
-// paths other than decode gate X there first).
+// Device memory the call needs in `workspace` on `path` (0 for most calls: only gated or
+// normalised calls on paths other than decode write A there first).
 size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path = CudaPath::automatic);
 
 // Returns a cudaError_t as int (0 = success) so callers need no CUDA headers.
