@@ -22,6 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .format import OP_DOMAIN, OP_TYPE
+from .graph import subgraph_inputs
 
 SMALL_INITIALIZER = 4096  # elements: shape tensors and scalars keep their values for inference
 BIAS, RESIDUAL, X_UP, NORM_WEIGHT = 3, 4, 5, 6  # the op's optional inputs
@@ -88,7 +89,7 @@ class _Uses:
         self.producer = {o: n for n in graph.node for o in n.output}
         self.readers = defaultdict(list)
         for n in graph.node:
-            for name in n.input:
+            for name in set(n.input) | subgraph_inputs(n):  # a subgraph's outer-scope reads count
                 self.readers[name].append(n)
         self.outputs = {o.name for o in graph.output}
         inputs = {i.name for i in graph.input}
@@ -125,7 +126,7 @@ def _fuse_glu(graph: onnx.GraphProto, op: onnx.NodeProto, shapes: dict, uses: _U
     """X = Mul(Mul(g, Sigmoid(g)), u) (operands in either order) -> X = g, x_up = u, glu="silu"."""
     gated = op.input[0]
     product = uses.made_by(gated, "Mul")
-    if product is None or not uses.only_reader(gated, op) or len(op.input) > X_UP:
+    if product is None or not uses.only_reader(gated, op) or len(op.input) > X_UP or product.input[0] == product.input[1]:
         return False
     for act, up in ((product.input[0], product.input[1]), (product.input[1], product.input[0])):
         silu = uses.made_by(act, "Mul")

@@ -147,3 +147,14 @@ def _attr(node: onnx.NodeProto, name: str, default):
         if a.name == name:
             return helper.get_attribute_value(a)
     return default
+
+
+def subgraph_inputs(node: onnx.NodeProto) -> set[str]:
+    """Names the node's subgraphs (If, Loop, Scan bodies) read, at any depth: outer-scope
+    tensors they use count as read by the node."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        for sub in list(attr.g.node if attr.HasField("g") else []) + [n for g in attr.graphs for n in g.node]:
+            names.update(sub.input)
+            names.update(subgraph_inputs(sub))
+    return names

@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper
 
 from . import format as nmformat
 from .errors import ModelError, NmcliError
-from .graph import Candidate, Selection, _attr, find_candidates
+from .graph import Candidate, Selection, _attr, find_candidates, subgraph_inputs
 from .masks import CRITERIA, LayerContext, MaskCriterion, choose_offsets
 from .modelio import clamp_ir_version
 from .report import LayerReport, PruneReport, SkipReport
@@ -383,16 +383,7 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
     names = {o.name for o in graph.output}
     for node in graph.node:
         names.update(node.input)
-        names.update(_subgraph_inputs(node))
-    return names
-
-
-def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
-    names: set[str] = set()
-    for attr in node.attribute:
-        for sub in list(attr.g.node if attr.HasField("g") else []) + [n for g in attr.graphs for n in g.node]:
-            names.update(sub.input)
-            names.update(_subgraph_inputs(sub))
+        names.update(subgraph_inputs(node))
     return names
 
 

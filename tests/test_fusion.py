@@ -1,6 +1,7 @@
 """Neighbour fusion (nmcli/fusion.py): residual adds, SiLU-gated products and RMSNorms move into
 the op only when the op then computes exactly what the removed nodes did."""
 import numpy as np
+import onnx
 import pytest
 from models import make_model, vinfo
 from onnx import helper, numpy_helper
@@ -130,3 +131,17 @@ def test_rms_norm_fuses_into_the_op(rng, weight_shape, square):
 def test_rms_norm_stays_when_not_exact(rng, axis, extra_reader):
     pruned, report = prune_model(_rms_model(rng, axis, extra_reader), Selection(NMPattern(2, 8)))
     assert report.fused["norm"] == 0 and "ReduceMean" in op_types(pruned)
+
+
+def test_tensors_read_inside_subgraphs_are_not_fused_away(rng):
+    """The SiLU output is also read by an If branch (outer-scope): the gate must stay."""
+    model = _gated_model(rng)
+    branch = helper.make_graph([helper.make_node("Identity", ["act"], ["peek"])], "branch", [],
+                               [vinfo("peek", np.float32, None)])
+    model.graph.input.append(vinfo("flag", np.float32, []))
+    model.graph.node.extend([
+        helper.make_node("Cast", ["flag"], ["cond"], to=onnx.TensorProto.BOOL, name="cond"),
+        helper.make_node("If", ["cond"], ["branch_out"], then_branch=branch, else_branch=branch, name="if")])
+    model.graph.output.append(vinfo("branch_out", np.float32, None))
+    pruned, report = prune_model(model, Selection(NMPattern(2, 8)))
+    assert report.fused["glu"] == 0 and "Sigmoid" in op_types(pruned)
