@@ -70,8 +70,8 @@ MIN_SIZE_HELP = "Skip weights with fewer elements than this."
 PERMUTE_HELP = ("Reorder input channels before N:M grouping where it keeps more of the criterion score "
                 "(one Gather of the activation per call; outputs equal the dense model with the same weights).")
 FUSE_HELP = ("Merge MatMuls that read the same activation (Q/K/V, gate/up) into one op that writes each "
-             "original output, and move a residual Add after an op and a SiLU-gated product before it into "
-             "the op: fewer, wider kernel calls.")
+             "original output, and move a residual Add after an op and a SiLU-gated product or an RMSNorm "
+             "before it into the op: fewer, wider kernel calls.")
 
 
 @app.command()

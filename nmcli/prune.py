@@ -9,13 +9,13 @@ from onnx import helper, numpy_helper
 
 from . import format as nmformat
 from .errors import ModelError, NmcliError
+from .format import OP_DOMAIN, OP_TYPE, OP_VERSION  # noqa: F401 (re-exported)
+from .fusion import fuse_neighbours, inferred_shapes
 from .graph import Candidate, Selection, _attr, find_candidates, subgraph_inputs
 from .masks import CRITERIA, LayerContext, MaskCriterion, choose_offsets
 from .modelio import clamp_ir_version
 from .report import LayerReport, PruneReport, SkipReport
 
-from .format import OP_DOMAIN, OP_TYPE, OP_VERSION  # noqa: F401 (re-exported)
-from .fusion import fuse_neighbours, inferred_shapes
 MAX_OUTPUTS = 8  # outputs of one fused op: kMaxOutputParts in kernels/output_parts.h
 
 
@@ -115,7 +115,7 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     `permute`: reorder input channels before grouping where that keeps more of the criterion
     score (permute.py); the pruned node then reads its activation through a Gather.
     `fuse`: MatMuls that read the same activation become one op with one output each (_sibling_groups),
-    and residual adds and gated activations next to an op move into it (fusion.py)."""
+    and residual adds, gated activations and RMSNorms next to an op move into it (fusion.py)."""
     criterion = criterion or get_criterion(method)
     out = onnx.ModelProto()
     out.CopyFrom(model)

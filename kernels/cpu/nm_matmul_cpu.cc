@@ -1,8 +1,8 @@
 #include "nm_matmul_cpu.h"
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <thread>
 #include <type_traits>
 #include <vector>

@@ -110,7 +110,7 @@ void register_cuda_bindings(py::module_& mod) {
         call.dtype = parse_dtype(dtype);
         call.rows = rows;
         call.glu = parse_glu_arg(glu);
-        static const char kAnyWeight = 0;
+        static const char kAnyWeight = 0;  // only whether there is a norm weight matters here
         call.norm_weight = norm ? &kAnyWeight : nullptr;
         call.shape = NMShape::make(k, nout, n, m);
         return nm_matmul_cuda_workspace_bytes(call, parse_path(path));
