@@ -145,3 +145,16 @@ def test_tensors_read_inside_subgraphs_are_not_fused_away(rng):
     model.graph.output.append(vinfo("branch_out", np.float32, None))
     pruned, report = prune_model(model, Selection(NMPattern(2, 8)))
     assert report.fused["glu"] == 0 and "Sigmoid" in op_types(pruned)
+
+
+@pytest.mark.parametrize("tamper,message", [
+    (lambda op: op.attribute.append(helper.make_attribute("glu", "gelu")), 'glu must be "silu"'),
+    (lambda op: [a for a in op.attribute if a.name == "norm"][0].__setattr__("s", b"layer"), 'norm must be "rms"'),
+    (lambda op: op.input.__delitem__(6), "norm_weight goes with attribute norm"),
+])
+def test_op_refuses_inconsistent_fusion_attributes(rng, tamper, message):
+    """A hand-edited fused node fails with one clear message, at session creation or first run."""
+    pruned, _ = prune_model(_rms_model(rng), Selection(NMPattern(2, 8)))
+    tamper(pruned.graph.node[0])
+    with pytest.raises(Exception, match=message):
+        nmcli.session(pruned).run(None, {"x": rng.standard_normal((1, 2, 32)).astype(np.float32)})
