@@ -22,7 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .format import OP_DOMAIN, OP_TYPE
-from .graph import subgraph_inputs
+from .graph import ConstantResolver, subgraph_inputs, unique_name
 
 SMALL_INITIALIZER = 4096  # elements: shape tensors and scalars keep their values for inference
 BIAS, RESIDUAL, X_UP, NORM_WEIGHT = 3, 4, 5, 6  # the op's optional inputs
@@ -92,19 +92,16 @@ class _Uses:
             for name in set(n.input) | subgraph_inputs(n):  # a subgraph's outer-scope reads count
                 self.readers[name].append(n)
         self.outputs = {o.name for o in graph.output}
-        inputs = {i.name for i in graph.input}
-        self.initializers = {t.name: t for t in graph.initializer if t.name not in inputs}
+        self.names = {t.name for t in graph.initializer} | {i.name for i in graph.input} | set(self.producer)
+        self._resolver = ConstantResolver(graph)
 
     def only_reader(self, name: str, node: onnx.NodeProto) -> bool:
         return name not in self.outputs and len(self.readers[name]) == 1 and self.readers[name][0] is node
 
     def constant(self, name: str) -> np.ndarray | None:
-        """The value of an initializer or Constant node output (None if not constant)."""
-        if name in self.initializers:
-            return numpy_helper.to_array(self.initializers[name])
-        node = self.made_by(name, "Constant")
-        value = next((a.t for a in node.attribute if a.name == "value"), None) if node is not None else None
-        return numpy_helper.to_array(value) if value is not None else None
+        """The value of a constant tensor (graph.ConstantResolver), or None."""
+        resolved = self._resolver.resolve(name)
+        return resolved[0] if resolved is not None else None
 
     def made_by(self, name: str, op_type: str) -> onnx.NodeProto | None:
         node = self.producer.get(name)
@@ -164,7 +161,7 @@ def _fuse_rms_norm(graph: onnx.GraphProto, op: onnx.NodeProto, shapes: dict, use
             continue
         nodes, epsilon = chain
         if weight.ndim != 1:  # [1, ..., K]: the op takes [K]
-            weight_name = _unique_name(graph, weight_name + ".nm_norm_weight")
+            weight_name = unique_name(weight_name + ".nm_norm_weight", uses.names)
             graph.initializer.append(numpy_helper.from_array(weight.reshape(k), weight_name))
         op.input[0] = x
         _set_input(op, NORM_WEIGHT, weight_name)
@@ -203,14 +200,6 @@ def _rms_of(uses: _Uses, x: str, rms: str, div: onnx.NodeProto, shapes: dict):
         if ok:
             return [sqrt, add, mean, square], float(eps.reshape(-1)[0])
     return None
-
-
-def _unique_name(graph: onnx.GraphProto, name: str) -> str:
-    taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
-    candidate, i = name, 1
-    while candidate in taken:
-        candidate, i = f"{name}.{i}", i + 1
-    return candidate
 
 
 def _fuse_residual(graph: onnx.GraphProto, op: onnx.NodeProto, shapes: dict, uses: _Uses) -> bool:

@@ -158,3 +158,12 @@ def subgraph_inputs(node: onnx.NodeProto) -> set[str]:
             names.update(sub.input)
             names.update(subgraph_inputs(sub))
     return names
+
+
+def unique_name(name: str, taken: set[str]) -> str:
+    """`name`, or `name.1`, `name.2`, ... : the first not in `taken`, which it is then added to."""
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}.{i}", i + 1
+    taken.add(candidate)
+    return candidate

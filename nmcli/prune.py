@@ -11,7 +11,7 @@ from . import format as nmformat
 from .errors import ModelError, NmcliError
 from .format import OP_DOMAIN, OP_TYPE, OP_VERSION  # noqa: F401 (re-exported)
 from .fusion import fuse_neighbours, inferred_shapes
-from .graph import Candidate, Selection, _attr, find_candidates, subgraph_inputs
+from .graph import Candidate, Selection, _attr, find_candidates, subgraph_inputs, unique_name
 from .masks import CRITERIA, LayerContext, MaskCriterion, choose_offsets
 from .modelio import clamp_ir_version
 from .report import LayerReport, PruneReport, SkipReport
@@ -165,7 +165,7 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
             packed, rel_error = prune_weight(weight, selection.pattern, score)
             del score
         base = cand.weight_name + (".T" if key[1] else "")
-        entry = PrunedWeight(packed, _unique(base + ".nm_values", taken), _unique(base + ".nm_indices", taken),
+        entry = PrunedWeight(packed, unique_name(base + ".nm_values", taken), unique_name(base + ".nm_indices", taken),
                              rel_error, cand.weight.nbytes, perm_name, gain)
         graph.initializer.extend([numpy_helper.from_array(packed.values, entry.values_name),
                                   numpy_helper.from_array(packed.indices, entry.indices_name)])
@@ -238,7 +238,7 @@ def _channel_orders(chosen: list[Candidate], score_of, pattern: nmformat.NMPatte
         del joint
         if not result.improves:
             continue
-        name = _unique(keys[0][0] + ".nm_perm", taken)
+        name = unique_name(keys[0][0] + ".nm_perm", taken)
         graph.initializer.append(numpy_helper.from_array(result.perm, name))
         for k in keys:
             orders[k] = (name, result.perm, result.gain)
@@ -262,7 +262,7 @@ def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, 
     output = node.output[0]
     if node.op_type == "Gemm":
         if _attr(node, "transA", 0):
-            transposed = _unique(output + ".nm_At", taken)
+            transposed = unique_name(output + ".nm_At", taken)
             pre.append(helper.make_node("Transpose", [node.input[0]], [transposed], name=transposed))
             inputs[0] = transposed
         alpha = float(_attr(node, "alpha", 1.0))
@@ -305,8 +305,8 @@ def _fuse(group: list[Candidate], entries: list[PrunedWeight], graph: onnx.Graph
     sizes = [e.packed.shape.nout for e in entries]
     values = np.concatenate([e.packed.values for e in entries])
     indices = np.concatenate([e.packed.indices for e in entries])
-    base = _unique("+".join(c.weight_name for c in group)[:200] + ".nm_fused", taken)
-    values_name, indices_name = _unique(base + "_values", taken), _unique(base + "_indices", taken)
+    base = unique_name("+".join(c.weight_name for c in group)[:200] + ".nm_fused", taken)
+    values_name, indices_name = unique_name(base + "_values", taken), unique_name(base + "_indices", taken)
     graph.initializer.extend([numpy_helper.from_array(values, values_name),
                               numpy_helper.from_array(indices, indices_name)])
     pre = []
@@ -328,7 +328,7 @@ def _in_channel_order(activation: str, perm_name: str | None, taken: set[str], g
         return activation
     key = (activation, perm_name)
     if key not in gathers:
-        gathers[key] = _unique(activation + ".nm_permuted", taken)
+        gathers[key] = unique_name(activation + ".nm_permuted", taken)
         pre.append(helper.make_node("Gather", [activation, perm_name], [gathers[key]], name=gathers[key], axis=-1))
     return gathers[key]
 
@@ -347,16 +347,16 @@ def _gemm_bias(node, cand: Candidate, graph, taken):
         c = numpy_helper.to_array(init)
         if c.size in (1, nout) and all(d == 1 for d in c.shape[:-1]):
             bias = np.broadcast_to((beta * c.astype(np.float64)).reshape(-1), (nout,)).astype(dtype)
-            name = _unique(cand.name + ".nm_bias", taken)
+            name = unique_name(cand.name + ".nm_bias", taken)
             graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(bias), name))
             return name, [], None
     # General C (a full matrix or a run-time tensor): Y = (A @ W) + beta * C, output name kept.
-    product = _unique(node.output[0] + ".nm_product", taken)
+    product = unique_name(node.output[0] + ".nm_product", taken)
     nodes, addend = [], c_name
     if beta != 1.0:
-        beta_name = _unique(cand.name + ".nm_beta", taken)
+        beta_name = unique_name(cand.name + ".nm_beta", taken)
         graph.initializer.append(numpy_helper.from_array(np.array(beta, dtype=dtype), beta_name))
-        addend = _unique(cand.name + ".nm_beta_c", taken)
+        addend = unique_name(cand.name + ".nm_beta_c", taken)
         nodes.append(helper.make_node("Mul", [c_name, beta_name], [addend], name=addend))
     nodes.append(helper.make_node("Add", [product, addend], [node.output[0]], name=node.output[0] + ".nm_add"))
     return None, nodes, product
@@ -389,14 +389,6 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
 
 def _default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    candidate, i = name, 1
-    while candidate in taken:
-        candidate, i = f"{name}.{i}", i + 1
-    taken.add(candidate)
-    return candidate
 
 
 def _skip_summary(report: PruneReport) -> str:

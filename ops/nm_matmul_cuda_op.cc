@@ -58,9 +58,9 @@ struct CudaKernel {
       m.alpha = attrs_.alpha;
       m.shape = call.shape;
       void* stream = ctx.GetGPUComputeStream();
-      // A gated or normalised call off the decode path writes A into a workspace first: from ORT's device arena,
-      // stream-ordered like ORT's own temporaries (freed after the launch, reused by later kernels
-      // of the same stream only).
+      // A gated or normalised call off the decode path writes A into a workspace first: from
+      // ORT's device arena, stream-ordered like ORT's own temporaries (freed after the launch,
+      // reused by later kernels of the same stream only).
       Workspace workspace(ctx, nm_matmul_cuda_workspace_bytes(m));
       m.workspace = workspace.data;
       StreamTimer timer(stream);

@@ -30,6 +30,9 @@
 namespace nmcli {
 namespace {
 
+// Whether the product reads a transformed activation A (gated or normalised), not X itself.
+bool forms_activation(const CudaMatMul& c) { return c.glu != Glu::none || c.norm_weight != nullptr; }
+
 template <typename T>
 PathParams<T> typed(const CudaMatMul& c) {
   PathParams<T> p;
@@ -64,7 +67,7 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
     return run_decode<T>(p, stream);  // gates or normalises while it stages X
   }
   PathParams<T> p = typed<T>(c);
-  if (p.glu != Glu::none || p.norm_weight) {  // the other paths copy X as it is: write A out first
+  if (forms_activation(c)) {  // the other paths copy X as it is: write A out first
     T* a = static_cast<T*>(c.workspace);
     const cudaError_t e = p.norm_weight ? run_rms_norm<T>(p.x, p.norm_weight, p.norm_epsilon, a, p.rows, p.k, stream)
                                         : run_glu<T>(p.x, p.x_up, p.glu, a, p.rows * p.k, stream);
@@ -120,7 +123,7 @@ bool wgmma_supported(const CudaMatMul& call, bool sparse_tensor_cores) {
 #if defined(NMCLI_WITH_SM90A)
   const int n = call.shape.n, m = call.shape.m;
   // A gated or normalised call reads A from the (aligned) workspace.
-  const bool aligned = call.glu != Glu::none || call.norm_weight || reinterpret_cast<uintptr_t>(call.x) % 16 == 0;
+  const bool aligned = forms_activation(call) || reinterpret_cast<uintptr_t>(call.x) % 16 == 0;
   return call.dtype != DType::f32 && call.shape.k % 8 == 0 && aligned &&
          (sparse_tensor_cores ? wgmma_sp_family(n, m) : wgmma_family(n, m)) && wgmma_device();
 #else
@@ -200,7 +203,7 @@ bool path_from_name(const char* name, CudaPath* path) {
 }
 
 size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path) {
-  if ((call.glu == Glu::none && !call.norm_weight) || call.rows == 0 || call.shape.nout == 0) return 0;
+  if (!forms_activation(call) || call.rows == 0 || call.shape.nout == 0) return 0;
   if (path == CudaPath::automatic) path = choose_path(call);
   if (path == CudaPath::decode) return 0;
   return static_cast<size_t>(call.rows * call.shape.k) * dtype_bytes(call.dtype);
@@ -210,8 +213,7 @@ int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
   if (call.rows == 0 || call.shape.nout == 0) return cudaSuccess;
   if (path == CudaPath::automatic) path = choose_path(call);
   if (!path_supported(call, path)) return cudaErrorInvalidValue;
-  if ((call.glu != Glu::none && call.x_up == nullptr) || (call.glu != Glu::none && call.norm_weight))
-    return cudaErrorInvalidValue;
+  if (call.glu != Glu::none && (call.x_up == nullptr || call.norm_weight != nullptr)) return cudaErrorInvalidValue;
   if (nm_matmul_cuda_workspace_bytes(call, path) > 0 &&
       (call.workspace == nullptr || reinterpret_cast<uintptr_t>(call.workspace) % 16 != 0))
     return cudaErrorInvalidValue;
