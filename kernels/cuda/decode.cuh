@@ -213,6 +213,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
   S* xs = reinterpret_cast<S*>(smem);
   // Row sums of squares of a normalised call, complete once the block's first tile has staged all of K.
   __shared__ float norm_sumsq[kDecodeMaxRows];
+  // A normalised call clears them before its first staging. At 1-2 rows that happens before any
+  // weight load is issued: a barrier there costs nothing, while one after the loads waits for the
+  // slowest warp's offset words (0.3-0.5 us of the 1 x 4096 x 12288 call, BENCHMARKS.md session
+  // 13). The kernels for more rows clear them at the first staging: clearing early compiled them
+  // to 1.5-3x the register spills.
+  constexpr bool kEarlyClear = R <= 2;
+  if (kEarlyClear && p.norm_weight) {
+    if (threadIdx.x < kDecodeMaxRows) norm_sumsq[threadIdx.x] = 0.f;
+    __syncthreads();
+  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tiles = static_cast<int>((p.nout + kRowsPerBlock - 1) / kRowsPerBlock);
   const int groups = static_cast<int>(p.groups);
@@ -338,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
         // point; the activations (and every write) wait for the kernel that produced them.
         wait_for_previous_kernel();
         allow_next_kernel();
-        if (p.norm_weight) {
+        if (!kEarlyClear && p.norm_weight) {
           if (threadIdx.x < kDecodeMaxRows) norm_sumsq[threadIdx.x] = 0.f;
           __syncthreads();
         }
