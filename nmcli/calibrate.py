@@ -1,5 +1,6 @@
-"""Calibration for activation-aware pruning: per input channel, ||X_k|| over calibration data
-for the activation that feeds each prunable node (wanda), or its whole gram X^T X (sparsegpt).
+"""Calibration for activation-aware pruning: per input channel, ||X_k|| (wanda) and the mean
+(bias correction) over calibration data for the activation that feeds each prunable node, or
+its whole gram X^T X (sparsegpt).
 
 The activations are read by running a temporary copy of the model in onnxruntime (CPU) with
 those tensors added as graph outputs; the user's model is never changed. Only running sums of
@@ -8,6 +9,7 @@ squares are kept, so memory does not grow with the number of samples.
 from __future__ import annotations
 
 import zipfile
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -61,9 +63,26 @@ def generated_calibration(specs: list[InputSpec], samples: int, tokens: int, rng
     return [random_feeds(specs, shapes, rng) for _ in range(samples)]
 
 
-def channel_sq_sums(model: onnx.ModelProto, activations: dict[str, int], feeds: list[dict]) -> dict[str, np.ndarray]:
-    """Sum over all calibration rows of X_k^2, per activation tensor (name -> channel axis)."""
-    return _accumulate(model, activations, feeds, lambda x: np.einsum("rk,rk->k", x, x))
+@dataclass
+class Moments:
+    """Per input channel k, over all calibration rows: the row count, sum of X_k and of X_k^2."""
+
+    rows: int
+    sums: np.ndarray
+    sq_sums: np.ndarray
+
+    def __add__(self, other: "Moments") -> "Moments":
+        return Moments(self.rows + other.rows, self.sums + other.sums, self.sq_sums + other.sq_sums)
+
+    @property
+    def means(self) -> np.ndarray:
+        return self.sums / max(self.rows, 1)
+
+
+def channel_moments(model: onnx.ModelProto, activations: dict[str, int], feeds: list[dict]) -> dict[str, Moments]:
+    """Moments of each activation tensor (name -> channel axis): wanda's norms, the means of
+    bias correction."""
+    return _accumulate(model, activations, feeds, lambda x: Moments(len(x), x.sum(0), np.einsum("rk,rk->k", x, x)))
 
 
 def gram_passes(model: onnx.ModelProto, activations: dict[str, int], channels: dict[str, int],
@@ -86,8 +105,7 @@ def gram_passes(model: onnx.ModelProto, activations: dict[str, int], channels: d
         yield _accumulate(model, batch, feeds, lambda x: x.T @ x)
 
 
-def _accumulate(model: onnx.ModelProto, activations: dict[str, int], feeds: list[dict], statistic
-                ) -> dict[str, np.ndarray]:
+def _accumulate(model: onnx.ModelProto, activations: dict[str, int], feeds: list[dict], statistic) -> dict:
     """Sum of statistic(X [rows, channels] float64) over the calibration feeds, per activation.
 
     The activations are read as extra outputs of a temporary copy of the model; only the running

@@ -88,6 +88,8 @@ def prune(
     calib_samples: int = typer.Option(8, "--calib-samples", min=1, help="Generated calibration samples without --calib."),
     calib_tokens: int = typer.Option(64, "--calib-tokens", min=1, help="Sequence length of generated samples."),
     permute: bool = typer.Option(False, "--permute", help=PERMUTE_HELP),
+    bias_correct: bool = typer.Option(False, "--bias-correct", help="Add to each pruned layer's bias the mean change "
+                                                                   "of its output on the calibration inputs (any method)."),
     fuse: bool = typer.Option(True, "--fuse/--no-fuse", help=FUSE_HELP),
     include: List[str] = typer.Option([], "--include", help=INCLUDE_HELP),
     exclude: List[str] = typer.Option([], "--exclude", help=EXCLUDE_HELP),
@@ -105,10 +107,10 @@ def prune(
     check_output_path(model, output, force)
     dense = load_model(model)
     selection = Selection(pattern, include=include, exclude=exclude, min_size=min_size)
-    feeds = _calibration(dense, criterion, calib, calib_samples, calib_tokens)
+    feeds = _calibration(dense, criterion, calib, calib_samples, calib_tokens, bias_correct)
     with err.status("searching channel orders (--permute)") if permute else contextlib.nullcontext():
         pruned, report = prune_model(dense, selection, criterion=criterion, calibration=feeds, permute=permute,
-                                     fuse=fuse)
+                                     fuse=fuse, bias_correct=bias_correct)
     _check(pruned)
     written = save_model(pruned, output)
     if as_json:
@@ -122,6 +124,8 @@ def prune(
     fused = [f"{count} {FUSED_NAMES[kind]}" for kind, count in report.fused.items() if count]
     if fused:
         out.print(f"fused into the op: {', '.join(fused)}")
+    if report.bias_corrected:
+        out.print(f"bias corrected from the calibration means: {report.bias_corrected} layer(s)")
     out.print(f"[green]wrote[/] {', '.join(str(p) for p in written)}")
 
 
@@ -439,11 +443,12 @@ def ops_path():
     print(ops_library_path())
 
 
-def _calibration(model, criterion, calib, samples: int, tokens: int):
-    """Calibration feeds for criteria that need them (None otherwise)."""
-    if not getattr(criterion, "needs_calibration", False):
+def _calibration(model, criterion, calib, samples: int, tokens: int, bias_correct: bool = False):
+    """Calibration feeds for criteria (or a bias correction) that need them (None otherwise)."""
+    if not getattr(criterion, "needs_calibration", False) and not bias_correct:
         if calib is not None:
-            raise NmcliError(f"--calib is only used by activation-aware methods (wanda, sparsegpt), not '{criterion.name}'")
+            raise NmcliError(f"--calib is only used by activation-aware methods (wanda, sparsegpt) and --bias-correct, "
+                             f"not by '{criterion.name}' alone")
         return None
     import numpy as np
 
@@ -453,7 +458,8 @@ def _calibration(model, criterion, calib, samples: int, tokens: int):
     specs = input_specs(model)
     if calib is not None:
         return load_calibration(calib, specs)
-    err.print(f"[yellow]warning:[/] no --calib given: calibrating {criterion.name} on {samples} generated samples of "
+    purpose = criterion.name if getattr(criterion, "needs_calibration", False) else "the bias correction"
+    err.print(f"[yellow]warning:[/] no --calib given: calibrating {purpose} on {samples} generated samples of "
               f"{tokens} tokens; real data prunes better", highlight=False)
     return generated_calibration(specs, samples, tokens, np.random.default_rng(0))
 

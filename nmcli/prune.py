@@ -27,17 +27,24 @@ class PrunedWeight:
     rel_error: float
     dense_bytes: int
     perm_name: str | None = None   # int64 [K] channel order (see permute.py), None = identity
+    perm: np.ndarray | None = None   # ... its values: packed row r is input channel perm[r]
     perm_gain: float = 0.0         # relative gain in kept criterion score from the order
 
 
-def _channel_norms(model, chosen, calibration) -> dict:
-    """||X_k|| per pruned weight; a weight shared by several nodes sees all their inputs."""
-    from .calibrate import activation_of, channel_sq_sums
+def _moments(model, chosen, calibration) -> dict:
+    """Activation name -> calibrate.Moments of the activation each pruned node multiplies."""
+    from .calibrate import activation_of, channel_moments
 
-    sums = channel_sq_sums(model, dict(activation_of(c) for c in chosen), calibration)
+    return channel_moments(model, dict(activation_of(c) for c in chosen), calibration)
+
+
+def _channel_norms(chosen, moments) -> dict:
+    """||X_k|| per pruned weight; a weight shared by several nodes sees all their inputs."""
+    from .calibrate import activation_of
+
     norms = {}
     for cand in chosen:
-        sq = sums[activation_of(cand)[0]]
+        sq = moments[activation_of(cand)[0]].sq_sums
         if sq.shape[0] != cand.weight.shape[0]:
             raise NmcliError(f"{cand.name}: calibration activation has {sq.shape[0]} channels, weight K is "
                              f"{cand.weight.shape[0]}")
@@ -100,6 +107,19 @@ def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, scores: np.nda
     return packed, _rel_error(weight, packed)
 
 
+def _bias_correction(cand: Candidate, entry: PrunedWeight, moments: dict) -> np.ndarray:
+    """alpha * mean(X) @ (W - W'), float64 [Nout]: how much pruning moved the mean of the node's
+    output over the calibration rows. Added to the op's bias, it puts that mean back (exactly,
+    on the calibration data); the weights are left as pruned."""
+    from .calibrate import activation_of
+
+    mean = moments[activation_of(cand)[0]].means
+    kept = nmformat.unpack(entry.packed)              # rows in packed order: channel perm[r]
+    packed_mean = mean if entry.perm is None else mean[entry.perm]
+    alpha = float(_attr(cand.node, "alpha", 1.0)) if cand.node.op_type == "Gemm" else 1.0
+    return alpha * (mean @ cand.weight.astype(np.float64) - packed_mean @ kept.astype(np.float64))
+
+
 def _rel_error(weight: np.ndarray, packed: nmformat.PackedWeight) -> float:
     dense = weight.astype(np.float64)
     norm = np.linalg.norm(dense)
@@ -108,14 +128,17 @@ def _rel_error(weight: np.ndarray, packed: nmformat.PackedWeight) -> float:
 
 def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "magnitude",
                 criterion: MaskCriterion | None = None, calibration: list[dict] | None = None,
-                permute: bool = False, fuse: bool = True) -> tuple[onnx.ModelProto, PruneReport]:
+                permute: bool = False, fuse: bool = True, bias_correct: bool = False
+                ) -> tuple[onnx.ModelProto, PruneReport]:
     """Return a pruned copy of `model` (the input is not modified) and the per-layer report.
 
     `calibration`: input feeds (one dict per sample) for activation-aware criteria.
     `permute`: reorder input channels before grouping where that keeps more of the criterion
     score (permute.py); the pruned node then reads its activation through a Gather.
     `fuse`: MatMuls that read the same activation become one op with one output each (_sibling_groups),
-    and residual adds, gated activations and RMSNorms next to an op move into it (fusion.py)."""
+    and residual adds, gated activations and RMSNorms next to an op move into it (fusion.py).
+    `bias_correct`: each op's bias also gets `_bias_correction`, from the calibration means
+    (any method; needs `calibration`)."""
     criterion = criterion or get_criterion(method)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -133,9 +156,12 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     calibrated, needs_gram = getattr(criterion, "needs_calibration", False), getattr(criterion, "needs_gram", False)
     if calibrated and not calibration:
         raise NmcliError("this pruning method needs calibration inputs")
+    if bias_correct and not calibration:
+        raise NmcliError("bias correction needs calibration inputs")
     # SparseGPT reads the grams; it needs the norms only to rank channel orders.
     needs_norms = calibrated and (permute or not needs_gram)
-    norms = _channel_norms(model, chosen, calibration) if needs_norms else {}
+    moments = _moments(model, chosen, calibration) if needs_norms or bias_correct else {}
+    norms = _channel_norms(chosen, moments) if needs_norms else {}
     first_node = {c.weight_key: c for c in reversed(chosen)}  # first node of each weight wins
 
     def score_of(key) -> np.ndarray:
@@ -166,11 +192,14 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
             del score
         base = cand.weight_name + (".T" if key[1] else "")
         entry = PrunedWeight(packed, unique_name(base + ".nm_values", taken), unique_name(base + ".nm_indices", taken),
-                             rel_error, cand.weight.nbytes, perm_name, gain)
+                             rel_error, cand.weight.nbytes, perm_name, perm, gain)
         graph.initializer.extend([numpy_helper.from_array(packed.values, entry.values_name),
                                   numpy_helper.from_array(packed.indices, entry.indices_name)])
         pruned[key] = entry
 
+    # Per node, not per weight: nodes that share a weight may multiply different activations.
+    corrections = {id(c.node): _bias_correction(c, pruned[c.weight_key], moments) for c in chosen} if bias_correct else {}
+    report.bias_corrected = len(corrections)
     sharing = {key: sum(c.weight_key == key for c in chosen) for key in pruned}
     gathers: dict[tuple[str, str], str] = {}
     group_of = {id(c.node): group for group in (_sibling_groups(chosen, pruned, sharing) if fuse else [])
@@ -179,9 +208,12 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     for cand in chosen:  # in graph order, so a shared Gather is emitted before its first reader
         group = group_of.get(id(cand.node))
         if group is None:
-            replacements[id(cand.node)] = _rewrite_node(cand, pruned[cand.weight_key], graph, taken, gathers)
+            replacements[id(cand.node)] = _rewrite_node(cand, pruned[cand.weight_key], graph, taken, gathers,
+                                                        corrections.get(id(cand.node)))
         elif cand is group[0]:
-            replacements.update(_fuse(group, [pruned[c.weight_key] for c in group], graph, taken, gathers))
+            parts = [corrections[id(c.node)] for c in group] if corrections else None
+            replacements.update(_fuse(group, [pruned[c.weight_key] for c in group], graph, taken, gathers,
+                                      None if parts is None else np.concatenate(parts)))
     new_nodes = []
     for node in graph.node:
         new_nodes.extend(replacements.get(id(node), [node]))
@@ -250,16 +282,17 @@ def _normalised(scores: np.ndarray) -> np.ndarray:
 
 
 def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, taken: set[str],
-                  gathers: dict[tuple[str, str], str]) -> list[onnx.NodeProto]:
+                  gathers: dict[tuple[str, str], str], correction: np.ndarray | None = None) -> list[onnx.NodeProto]:
     """The op node (plus a Transpose for Gemm transA, a Gather for a channel order, bias nodes).
 
     `gathers` (activation, perm) -> gathered name lets nodes that read the same activation in
-    the same order share one Gather."""
+    the same order share one Gather. `correction` [Nout] is added to the op's bias."""
     node, shape = cand.node, entry.packed.shape
     attrs = dict(n=shape.pattern.n, m=shape.pattern.m, k=shape.k)
     inputs = [node.input[0], entry.values_name, entry.indices_name]
     pre, post = [], []
     output = node.output[0]
+    bias = correction
     if node.op_type == "Gemm":
         if _attr(node, "transA", 0):
             transposed = unique_name(output + ".nm_At", taken)
@@ -268,11 +301,13 @@ def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, 
         alpha = float(_attr(node, "alpha", 1.0))
         if alpha != 1.0:
             attrs["alpha"] = alpha
-        bias, post, product = _gemm_bias(node, cand, graph, taken)
-        if bias is not None:
-            inputs.append(bias)
+        gemm_bias, post, product = _gemm_bias(node, cand, graph, taken)
+        if gemm_bias is not None:
+            bias = gemm_bias if bias is None else gemm_bias + bias
         if product is not None:
             output = product
+    if bias is not None:
+        inputs.append(_bias_initializer(bias, cand.weight.dtype, cand.name + ".nm_bias", graph, taken))
     inputs[0] = _in_channel_order(inputs[0], entry.perm_name, taken, gathers, pre)
     core = helper.make_node(OP_TYPE, inputs, [output], name=node.name or output, domain=OP_DOMAIN, **attrs)
     return pre + [core] + post
@@ -296,7 +331,7 @@ def _sibling_groups(chosen: list[Candidate], pruned: dict, sharing: dict) -> lis
 
 
 def _fuse(group: list[Candidate], entries: list[PrunedWeight], graph: onnx.GraphProto, taken: set[str],
-          gathers: dict) -> dict[int, list[onnx.NodeProto]]:
+          gathers: dict, correction: np.ndarray | None = None) -> dict[int, list[onnx.NodeProto]]:
     """Node replacements for one sibling group: the first node becomes one op on the
     concatenated weight that writes every original output itself (attribute `splits`: the
     columns of each), the others go. The packed format stores one row per output column, so
@@ -311,7 +346,10 @@ def _fuse(group: list[Candidate], entries: list[PrunedWeight], graph: onnx.Graph
                               numpy_helper.from_array(indices, indices_name)])
     pre = []
     activation = _in_channel_order(group[0].node.input[0], entries[0].perm_name, taken, gathers, pre)
-    core = helper.make_node(OP_TYPE, [activation, values_name, indices_name], [c.node.output[0] for c in group],
+    inputs = [activation, values_name, indices_name]
+    if correction is not None:  # the parts' corrections, concatenated as the columns are
+        inputs.append(_bias_initializer(correction, values.dtype, base + "_bias", graph, taken))
+    core = helper.make_node(OP_TYPE, inputs, [c.node.output[0] for c in group],
                             name="+".join(c.name for c in group), domain=OP_DOMAIN, n=shape.pattern.n,
                             m=shape.pattern.m, k=shape.k, splits=sizes)
     replaced = {id(c.node): [] for c in group[1:]}
@@ -333,10 +371,16 @@ def _in_channel_order(activation: str, perm_name: str | None, taken: set[str], g
     return gathers[key]
 
 
-def _gemm_bias(node, cand: Candidate, graph, taken):
-    """beta * C: a per-column bias input when C is a constant vector, else nodes after the op.
+def _bias_initializer(bias: np.ndarray, dtype, base: str, graph: onnx.GraphProto, taken: set[str]) -> str:
+    name = unique_name(base, taken)
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(bias.astype(dtype)), name))
+    return name
 
-    Returns (bias input name or None, nodes to append, name for the op's own output or None).
+
+def _gemm_bias(node, cand: Candidate, graph, taken):
+    """beta * C: a per-column bias when C is a constant vector, else nodes after the op.
+
+    Returns (bias [Nout] float64 or None, nodes to append, name for the op's own output or None).
     """
     if len(node.input) < 3 or not node.input[2] or float(_attr(node, "beta", 1.0)) == 0.0:
         return None, [], None
@@ -346,10 +390,7 @@ def _gemm_bias(node, cand: Candidate, graph, taken):
     if init is not None and c_name not in {i.name for i in graph.input}:
         c = numpy_helper.to_array(init)
         if c.size in (1, nout) and all(d == 1 for d in c.shape[:-1]):
-            bias = np.broadcast_to((beta * c.astype(np.float64)).reshape(-1), (nout,)).astype(dtype)
-            name = unique_name(cand.name + ".nm_bias", taken)
-            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(bias), name))
-            return name, [], None
+            return np.broadcast_to((beta * c.astype(np.float64)).reshape(-1), (nout,)), [], None
     # General C (a full matrix or a run-time tensor): Y = (A @ W) + beta * C, output name kept.
     product = unique_name(node.output[0] + ".nm_product", taken)
     nodes, addend = [], c_name

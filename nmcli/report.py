@@ -36,6 +36,7 @@ class PruneReport:
     layers: list[LayerReport] = field(default_factory=list)
     skipped: list[SkipReport] = field(default_factory=list)
     fused: dict[str, int] = field(default_factory=dict)  # neighbours moved into ops, by kind (fusion.py)
+    bias_corrected: int = 0  # nodes whose bias got prune._bias_correction
 
     def _unique_layers(self) -> list[LayerReport]:
         seen, out = set(), []
@@ -59,6 +60,7 @@ class PruneReport:
             "layers": [asdict(layer) for layer in self.layers],
             "skipped": [asdict(s) for s in self.skipped],
             "fused": dict(self.fused),
+            "bias_corrected": self.bias_corrected,
             "totals": {"layers": len(self.layers), "weights": len(self._unique_layers()),
                        "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
                        "compression": self.bytes_before / self.bytes_after if self.bytes_after else None},

