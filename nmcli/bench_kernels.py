@@ -150,12 +150,13 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
                      100.0 * gbps / copy_gbps, flops / (ours_ms * 1e-3) / 1e12, flops / (cublas_ms * 1e-3) / 1e12)
 
 
-def default_shapes(include_nmsparse=True, include_llama=True) -> list[tuple[int, int, int]]:
+def default_shapes(include_nmsparse=True, include_llama=True, rows=None) -> list[tuple[int, int, int]]:
+    """(m, k, n) to time: each set's K x N at its row counts, or at `rows` when given."""
     shapes = []
     if include_llama:
-        shapes += [(m, k, n) for (k, n) in LLAMA_KN for m in DECODE_MS + [256, 4096]]
+        shapes += [(m, k, n) for (k, n) in LLAMA_KN for m in rows or DECODE_MS + [256, 4096]]
     if include_nmsparse:
-        shapes += [(m, k, n) for (k, n) in NMSPARSE_KN for m in NMSPARSE_MS if (m, k, n) not in shapes]
+        shapes += [(m, k, n) for (k, n) in NMSPARSE_KN for m in rows or NMSPARSE_MS if (m, k, n) not in shapes]
     return shapes
 
 

@@ -343,7 +343,8 @@ def bench_kernels(
     dtype: str = typer.Option("float16", "--dtype", help="float16, bfloat16 or float32."),
     shapes: str = typer.Option("all", "--shapes", help="all, llama (LLaMA-7B/8B layers, 1..16 rows + 256, 4096) "
                                                        "or nmsparse (the nmSPARSE operator table)."),
-    rows: List[int] = typer.Option([], "--rows", help="Only these activation row counts (repeatable)."),
+    rows: List[int] = typer.Option([], "--rows", min=1, help="Activation row counts to time on the shapes' K x N, "
+                                                           "instead of their own (repeatable)."),
     replays: int = typer.Option(20, "--replays", min=3, help="Timed graph replays per measurement (median)."),
     path: str = typer.Option("auto", "--path", help="auto (the dispatch's choice), decode, mma, wgmma, wgmma_sp or tiled; "
                                                    "calls a forced path cannot run are skipped."),
@@ -362,7 +363,7 @@ def bench_kernels(
     if path not in ("auto", "decode", "mma", "wgmma", "wgmma_sp", "tiled"):
         raise NmcliError(f"--path must be auto, decode, mma, wgmma, wgmma_sp or tiled, not '{path}'")
     torch = bk.require_gpu()
-    todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse") if not rows or s[0] in rows
+    todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse", rows)
             for p in patterns if bk.path_for(*s, p, dtype, path)]
     if not todo:
         raise NmcliError(f"the {path} path runs none of the selected shapes")

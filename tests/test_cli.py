@@ -148,3 +148,13 @@ def test_bench_kernels_without_gpu_says_so(tmp_path):
     if has_cuda_gpu():
         pytest.skip("this machine has a GPU")
     assert_one_line_error(run("bench", "kernels", "--nm", "2:8", cwd=tmp_path), "bench kernels")
+
+
+def test_bench_kernels_rows_replace_the_table_rows():
+    from nmcli.bench_kernels import LLAMA_KN, NMSPARSE_KN, default_shapes
+
+    llama = default_shapes(include_nmsparse=False, rows=[17, 64])
+    assert llama == [(m, k, n) for (k, n) in LLAMA_KN for m in (17, 64)]
+    both = default_shapes(rows=[1])
+    assert len(both) == len(set(both)) == len(set(LLAMA_KN) | set(NMSPARSE_KN))
+    assert {m for m, _, _ in default_shapes(include_llama=False)} == {1, 256, 1024, 4096}

@@ -40,9 +40,13 @@ struct SpLayout {
   static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;  // stored values, 64-byte swizzle
   static constexpr size_t kMeta = static_cast<size_t>(kTileW) * kMetaWords * 4;
   static constexpr size_t kStage = (kX + kA + kMeta + 1023) / 1024 * 1024;
-  // Steps per group (see the kernel): half the ring, as many as fit in 216 KB, at most 4.
-  static constexpr int kGroup = std::min<int>(4, static_cast<int>(216 * 1024 / kStage) / 2);
-  static constexpr int kStages = 2 * kGroup;
+  static constexpr int kFit = static_cast<int>(216 * 1024 / kStage);  // stages that fit in 216 KB
+  // Groups of steps in the ring (see the kernel): 3 where 3 groups of 4 steps fit (the 64-row
+  // tile), so the copies of two groups are in flight while one computes; else 2.
+  static constexpr int kRingGroups = kFit >= 12 ? 3 : 2;
+  // Steps per group: as many as fit, at most 4.
+  static constexpr int kGroup = std::min<int>(4, kFit / kRingGroups);
+  static constexpr int kStages = kRingGroups * kGroup;
   static constexpr size_t kBytes = kStages * kStage + 1024;  // + slack to align the ring
   static_assert(kGroup >= 2, "a group of steps in the MMAs while the next group's copies fly");
   static_assert(kThreads * kRows / 2 * 4 <= kStages * kStage, "reduce_split's scratch fits in the ring");
@@ -130,25 +134,30 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) 
   for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
   sm90::fence_operands(acc);
 
-  // Steps run in groups of G = S / 2. wgmma reads its metadata register operand asynchronously
-  // and ptxas serializes the MMAs (C7513) when a metadata register is written while any MMA is
-  // in flight, so a group starts with no MMA in flight: it reads the metadata of all its G
-  // steps, then issues their MMAs back to back and waits for them at the end. Its stages were
-  // copied during the previous group, which left the stages of that group free for the next one.
+  // Steps run in groups of G, and the ring holds NG groups. wgmma reads its metadata register
+  // operand asynchronously and ptxas serializes the MMAs (C7513) when a metadata register is
+  // written while any MMA is in flight, so a group starts with no MMA in flight: it reads the
+  // metadata of all its G steps, then issues their MMAs back to back and waits for them at the
+  // end. Its stages were copied during the NG - 1 groups before it; each group's copies are one
+  // commit group, issued into the stages of the group that just finished. With few activation
+  // rows a group computes for less than a memory latency, so with NG = 2 every group waited for
+  // its copies; the 64-row tile's ring holds 3 groups (BENCHMARKS.md, session 13).
+  constexpr int NG = L::kRingGroups;
   int64_t begin, end;  // this block's steps (all of them unless K is split over a cluster)
   sm90::split_steps<G>(steps, begin, end);
-#pragma unroll
-  for (int t = 0; t < S - G; ++t)
-    if (begin + t < end) loader.load(p, stage_of(begin + t), begin + t);
-  sm90::cp_async_commit();
-  for (int64_t t = begin; t < end; t += G) {
-    sm90::cp_async_wait<0>();
-    sm90::fence_async_proxy();
-    __syncthreads();  // every thread's copies of steps t .. t + G - 1 landed; no MMA reads steps < t
+  auto load_group = [&](int64_t first) {
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      if (t + S - G + g < end) loader.load(p, stage_of(t + S - G + g), t + S - G + g);
-    sm90::cp_async_commit();
+      if (first + g < end) loader.load(p, stage_of(first + g), first + g);
+    sm90::cp_async_commit();  // one commit group per group of steps, empty past the end
+  };
+#pragma unroll
+  for (int j = 0; j < NG - 1; ++j) load_group(begin + j * G);
+  for (int64_t t = begin; t < end; t += G) {
+    sm90::cp_async_wait<NG - 2>();  // this thread's copies of steps t .. t + G - 1 landed
+    sm90::fence_async_proxy();
+    __syncthreads();  // ... every thread's; no MMA reads steps < t any more
+    load_group(t + (NG - 1) * G);
 
     uint32_t meta[G][kMetaWords];
 #pragma unroll
