@@ -3,8 +3,8 @@
 its whole gram X^T X (sparsegpt).
 
 The activations are read by running a temporary copy of the model in onnxruntime (CPU) with
-those tensors added as graph outputs; the user's model is never changed. Only running sums of
-squares are kept, so memory does not grow with the number of samples.
+those tensors added as graph outputs; the user's model is never changed. Only running sums are
+kept, so memory does not grow with the number of samples.
 """
 from __future__ import annotations
 

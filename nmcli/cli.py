@@ -83,8 +83,9 @@ def prune(
     method: str = typer.Option("magnitude", "--method", help="How to choose the kept weights: magnitude (|W|), "
                                                            "wanda (|W| * ||X_k|| from calibration inputs) or sparsegpt "
                                                            "(also updates the kept weights to offset the dropped ones)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration inputs for wanda and sparsegpt: .npz with "
-                                                               "one array per model input, samples on axis 0."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration inputs for wanda, sparsegpt and "
+                                                               "--bias-correct: .npz with one array per model input, "
+                                                               "samples on axis 0."),
     calib_samples: int = typer.Option(8, "--calib-samples", min=1, help="Generated calibration samples without --calib."),
     calib_tokens: int = typer.Option(64, "--calib-tokens", min=1, help="Sequence length of generated samples."),
     permute: bool = typer.Option(False, "--permute", help=PERMUTE_HELP),
