@@ -22,7 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .format import OP_DOMAIN, OP_TYPE
-from .graph import ConstantResolver, subgraph_inputs, unique_name
+from .graph import ConstantResolver, _attr, subgraph_inputs, unique_name
 
 SMALL_INITIALIZER = 4096  # elements: shape tensors and scalars keep their values for inference
 BIAS, RESIDUAL, X_UP, NORM_WEIGHT = 3, 4, 5, 6  # the op's optional inputs
@@ -149,7 +149,7 @@ def _fuse_rms_norm(graph: onnx.GraphProto, op: onnx.NodeProto, shapes: dict, use
     scale = uses.made_by(normed, "Mul")
     if scale is None or not uses.only_reader(normed, op):
         return False
-    k = next(a.i for a in op.attribute if a.name == "k")
+    k = _attr(op, "k", 0)
     for divided, weight_name in ((scale.input[0], scale.input[1]), (scale.input[1], scale.input[0])):
         weight = uses.constant(weight_name)
         div = uses.made_by(divided, "Div")
@@ -183,9 +183,12 @@ def _rms_of(uses: _Uses, x: str, rms: str, div: onnx.NodeProto, shapes: dict):
         eps, mean = uses.constant(eps_name), uses.made_by(mean_name, "ReduceMean")
         if eps is None or eps.size != 1 or mean is None or not uses.only_reader(mean_name, add) or rank == 0:
             continue
-        axes = uses.constant(mean.input[1]) if len(mean.input) > 1 and mean.input[1] else next(
-            (np.array(a.ints) for a in mean.attribute if a.name == "axes"), None)
-        keepdims = next((a.i for a in mean.attribute if a.name == "keepdims"), 1)
+        if len(mean.input) > 1 and mean.input[1]:  # opset 18: axes as an input, else an attribute
+            axes = uses.constant(mean.input[1])
+        else:
+            axes = _attr(mean, "axes", None)
+            axes = None if axes is None else np.array(axes)
+        keepdims = _attr(mean, "keepdims", 1)
         if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) % rank != rank - 1 or not keepdims:
             continue
         squared = mean.input[0]

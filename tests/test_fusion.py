@@ -98,11 +98,14 @@ def test_gated_product_stays_when_not_exact(rng, extra_reader, up_shape):
     assert report.fused["glu"] == 0 and "Sigmoid" in op_types(pruned)
 
 
-def _rms_model(rng, axis=-1, extra_reader=False, weight_shape=(32,), square="Pow"):
-    """x -> RMSNorm (PyTorch's export, or Mul(x, x) for the square) -> MatMul."""
+def _rms_model(rng, axis=-1, extra_reader=False, weight_shape=(32,), square="Pow", axes_attribute=False):
+    """x -> RMSNorm (PyTorch's export, or Mul(x, x) for the square) -> MatMul; the mean's axes an
+    input (opset 18) or an attribute (opset 17)."""
     n = helper.make_node
     sq = n("Pow", ["x", "two"], ["sq"], name="sq") if square == "Pow" else n("Mul", ["x", "x"], ["sq"], name="sq")
-    nodes = [sq, n("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1, name="mean"),
+    mean = (n("ReduceMean", ["sq"], ["ms"], keepdims=1, axes=[axis], name="mean") if axes_attribute
+            else n("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1, name="mean"))
+    nodes = [sq, mean,
              n("Add", ["eps", "ms"], ["ms_eps"], name="eps_add"), n("Sqrt", ["ms_eps"], ["rms"], name="sqrt"),
              n("Div", ["x", "rms"], ["normed"], name="div"), n("Mul", ["gamma", "normed"], ["h"], name="scale"),
              n("MatMul", ["h", "W"], ["y"], name="mm")]
@@ -113,12 +116,15 @@ def _rms_model(rng, axis=-1, extra_reader=False, weight_shape=(32,), square="Pow
         ("two", np.array(2.0, np.float32)), ("axes", np.array([axis], np.int64)), ("eps", np.array(1e-3, np.float32)),
         ("gamma", (1 + 0.2 * rng.standard_normal(weight_shape)).astype(np.float32)),
         ("W", rng.standard_normal((32, 24)).astype(np.float32)))]
-    return make_model(nodes, [vinfo("x", np.float32, ["b", "s", 32])], outputs, inits, opset=18)
+    if axes_attribute:
+        inits = [t for t in inits if t.name != "axes"]
+    return make_model(nodes, [vinfo("x", np.float32, ["b", "s", 32])], outputs, inits, opset=17 if axes_attribute else 18)
 
 
-@pytest.mark.parametrize("weight_shape,square", [((32,), "Pow"), ((1, 1, 32), "Mul")])
-def test_rms_norm_fuses_into_the_op(rng, weight_shape, square):
-    dense = _rms_model(rng, weight_shape=weight_shape, square=square)
+@pytest.mark.parametrize("weight_shape,square,axes_attribute", [((32,), "Pow", False), ((1, 1, 32), "Mul", False),
+                                                                ((32,), "Pow", True)])
+def test_rms_norm_fuses_into_the_op(rng, weight_shape, square, axes_attribute):
+    dense = _rms_model(rng, weight_shape=weight_shape, square=square, axes_attribute=axes_attribute)
     pruned, report = prune_model(dense, Selection(NMPattern(2, 8)))
     assert report.fused["norm"] == 1 and op_types(pruned) == ["NMMatMul"]
     x = (3 * rng.standard_normal((2, 5, 32))).astype(np.float32)
@@ -127,9 +133,10 @@ def test_rms_norm_fuses_into_the_op(rng, weight_shape, square):
     assert relative_error(y, y_plain.astype(np.float64)) < 1e-5
 
 
-@pytest.mark.parametrize("axis,extra_reader", [(1, False), (-1, True)])
-def test_rms_norm_stays_when_not_exact(rng, axis, extra_reader):
-    pruned, report = prune_model(_rms_model(rng, axis, extra_reader), Selection(NMPattern(2, 8)))
+@pytest.mark.parametrize("axis,extra_reader,axes_attribute", [(1, False, False), (-1, True, False), (1, False, True)])
+def test_rms_norm_stays_when_not_exact(rng, axis, extra_reader, axes_attribute):
+    pruned, report = prune_model(_rms_model(rng, axis, extra_reader, axes_attribute=axes_attribute),
+                                 Selection(NMPattern(2, 8)))
     assert report.fused["norm"] == 0 and "ReduceMean" in op_types(pruned)
 
 
