@@ -13,6 +13,15 @@
 namespace py = pybind11;
 using namespace nmcli;
 
+namespace nmcli {
+// The glu argument of both entry points (the CUDA one in kernels/cuda/bindings_cuda.cc).
+Glu parse_glu_arg(const std::string& name) {
+  Glu glu;
+  if (!parse_glu(name.c_str(), &glu)) throw std::invalid_argument("glu must be 'none' or 'silu', got '" + name + "'");
+  return glu;
+}
+}  // namespace nmcli
+
 namespace {
 
 // A C-contiguous view of `obj` in `dtype` (copies only when needed).
@@ -82,8 +91,7 @@ py::array nm_matmul_cpu_py(const py::array& x, const py::array& values, const py
                            const py::object& residual, const py::object& x_up, const std::string& glu,
                            const py::object& norm_weight, float norm_epsilon) {
   if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m " + std::to_string(n) + ":" + std::to_string(m));
-  Glu gate;
-  if (!parse_glu(glu.c_str(), &gate)) throw std::invalid_argument("glu must be 'none' or 'silu', got '" + glu + "'");
+  const Glu gate = parse_glu_arg(glu);
   const std::string kind = py::str(values.dtype());
   if (kind == "float32")
     return run_cpu<float>(x, values, indices, bias, n, m, k, alpha, threads, residual, x_up, gate, norm_weight, norm_epsilon);

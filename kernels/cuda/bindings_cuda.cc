@@ -14,6 +14,9 @@
 namespace py = pybind11;
 
 namespace nmcli {
+
+Glu parse_glu_arg(const std::string& name);  // kernels/bindings.cc
+
 namespace {
 
 DType parse_dtype(const std::string& dtype) {
@@ -42,12 +45,6 @@ OutputParts<void> parse_outputs(const py::object& y, const std::vector<int64_t>&
   }
   if (total != nout) throw std::invalid_argument("splits must add up to nout");
   return OutputParts<void>::split(bases.data(), splits.data(), static_cast<int>(splits.size()));
-}
-
-Glu parse_glu_arg(const std::string& name) {
-  Glu glu;
-  if (!parse_glu(name.c_str(), &glu)) throw std::invalid_argument("glu must be 'none' or 'silu', got '" + name + "'");
-  return glu;
 }
 
 CudaPath parse_path(const std::string& name) {
