@@ -126,6 +126,20 @@ def test_cuda_paths_fuse_residual_and_prologue(rng, prologue, dtype_name, n, m, 
         assert error_ratio(got, ref, magnitude, dtype_name, k, rounded_input=True) < 1, (path, need)
 
 
+def test_cuda_copy_kernel_copies_and_refuses_misaligned():
+    """The copy-bandwidth ceiling's kernel copies every byte (a size that leaves a partial pass),
+    and refuses sizes or pointers that are not 16-byte multiples with an error."""
+    nbytes = 16 * 1_000_003
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    kernels.cuda_copy(dst.data_ptr(), src.data_ptr(), nbytes, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)
+    for args in [(dst.data_ptr(), src.data_ptr(), nbytes - 8), (dst.data_ptr() + 8, src.data_ptr(), 16)]:
+        with pytest.raises(RuntimeError, match="cuda_copy failed"):
+            kernels.cuda_copy(*args)
+
+
 def test_ort_cuda_llama_block_with_fused_neighbours(rng):
     """A LLaMA-style block whose residual adds and SiLU gate moved into the op: CUDA EP (plain,
     and CUDA-graph replay at decode and prefill sizes, where the gate goes through ORT's arena)

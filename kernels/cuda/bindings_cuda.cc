@@ -115,6 +115,15 @@ void register_cuda_bindings(py::module_& mod) {
       py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("glu"),
       py::arg("path") = "auto", py::arg("norm") = false, "Workspace bytes nm_matmul_cuda needs for this call (0 for most calls).");
   mod.def(
+      "cuda_copy",
+      [](uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t stream) {
+        if (const int err = device_copy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
+                                        reinterpret_cast<void*>(stream)))
+          throw std::runtime_error(std::string("cuda_copy failed: ") + cudaGetErrorString(static_cast<cudaError_t>(err)));
+      },
+      py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream") = 0,
+      "Copies `bytes` (a multiple of 16, 16-byte aligned pointers) with nmcli's copy-bandwidth kernel; asynchronous.");
+  mod.def(
       "cuda_device_count",
       [] {
         int count = 0;

@@ -4,6 +4,7 @@
 // `stream` and allocates nothing (a gated call on a path other than decode gates X into the
 // caller's `workspace` first: nm_matmul_cuda_workspace_bytes).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "../fusion.h"
@@ -49,5 +50,9 @@ size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path = Cu
 
 // Returns a cudaError_t as int (0 = success) so callers need no CUDA headers.
 int nm_matmul_cuda(const CudaMatMul& call, void* stream, CudaPath path = CudaPath::automatic);
+
+// Copies `bytes` (a multiple of 16, both pointers 16-byte aligned) on `stream` with nmcli's
+// 16-byte-vector copy kernel: the benchmarks' copy-bandwidth ceiling (kernels/cuda/copy.cu).
+int device_copy(void* dst, const void* src, size_t bytes, void* stream);
 
 }  // namespace nmcli
