@@ -11,8 +11,9 @@ pruned, for several N:M patterns and pruning methods.
 2. Calibration for wanda, sparsegpt and the bias correction: the sentences of calibration.txt,
    none of which is evaluated.
 3. For every N:M and method (+bias: with the bias correction, `nmcli prune --bias-correct`):
-   prune with nmcli (all 36 linear layers), run dense and pruned in ONNX Runtime (CPU, nmcli's
-   op) on every sentence of sentences.txt, one at a time (no padding), and compare the embeddings:
+   prune with nmcli (all 36 linear layers, or those --exclude does not leave dense), run dense
+   and pruned in ONNX Runtime (CPU, nmcli's op) on every sentence of sentences.txt, one at a
+   time (no padding), and compare the embeddings:
    - cosine: cosine similarity of each sentence's embedding to the dense one (mean, min);
    - pair order: over all pairs of sentence pairs {(a,b),(c,d)}, the fraction that the pruned
      model orders the same way as the dense one by similarity (Kendall concordance); 1.0
@@ -172,13 +173,14 @@ class Row:
     prune_seconds: float
 
 
-def measure(dense_model, dense_emb: np.ndarray, feeds: list[dict], calib: list[dict], nm: str, method: str) -> Row:
+def measure(dense_model, dense_emb: np.ndarray, feeds: list[dict], calib: list[dict], nm: str, method: str,
+            exclude: tuple[str, ...] = ()) -> Row:
     from nmcli import NMPattern, Selection, prune_model
 
     criterion, *options = method.split("+")
     permute, bias = "permute" in options, "bias" in options
     start = time.perf_counter()
-    sparse, report = prune_model(dense_model, Selection(NMPattern.parse(nm)), method=criterion,
+    sparse, report = prune_model(dense_model, Selection(NMPattern.parse(nm), exclude=list(exclude)), method=criterion,
                                  calibration=calib if criterion != "magnitude" or bias else None, permute=permute,
                                  bias_correct=bias)
     seconds = time.perf_counter() - start
@@ -190,7 +192,8 @@ def measure(dense_model, dense_emb: np.ndarray, feeds: list[dict], calib: list[d
                sum(layer.permuted for layer in report.layers), len(report.layers), seconds)
 
 
-def run_study(patterns=PATTERNS, methods=METHODS, cache: Path = DEFAULT_CACHE, progress=print) -> list[Row]:
+def run_study(patterns=PATTERNS, methods=METHODS, cache: Path = DEFAULT_CACHE, progress=print,
+              exclude: tuple[str, ...] = ()) -> list[Row]:
     from nmcli.modelio import load_model
 
     path = export_onnx(cache)
@@ -201,7 +204,7 @@ def run_study(patterns=PATTERNS, methods=METHODS, cache: Path = DEFAULT_CACHE, p
     rows = []
     for nm in patterns:
         for method in methods:
-            rows.append(measure(dense, dense_emb, feeds, calib, nm, method))
+            rows.append(measure(dense, dense_emb, feeds, calib, nm, method, exclude))
             r = rows[-1]
             progress(f"{nm:>5} {method:<14} cosine {r.cosine_mean:.4f} (min {r.cosine_min:.4f})  pair order "
                      f"{r.pair_order:.4f}  nearest {r.nearest_neighbour:.3f}  [{r.prune_seconds:.0f} s]")
@@ -223,9 +226,12 @@ def main(argv=None) -> int:
     parser.add_argument("--nm", action="append", help="N:M pattern (repeatable) [default: 2:4, 4:8, 2:8]")
     parser.add_argument("--method", action="append", choices=METHODS, help="method (repeatable) [default: all]")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"export cache [default: {DEFAULT_CACHE}]")
+    parser.add_argument("--exclude", action="append", default=[], metavar="REGEX",
+                        help="leave dense the layers whose node or weight name matches (repeatable; as nmcli prune)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
-    rows = run_study(args.nm or PATTERNS, args.method or METHODS, args.cache, progress=lambda s: print(s, file=sys.stderr))
+    rows = run_study(args.nm or PATTERNS, args.method or METHODS, args.cache, progress=lambda s: print(s, file=sys.stderr),
+                     exclude=tuple(args.exclude))
     print(markdown(rows, len(read_sentences(HERE / "sentences.txt"))))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
