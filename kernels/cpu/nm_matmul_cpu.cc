@@ -49,14 +49,17 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
   std::vector<float> val(static_cast<size_t>(s.stored()));
 
   for (int64_t col = col_begin; col < col_end; ++col) {
-    // Decode the column once into (position, value) pairs, dropping entries at k >= K:
-    // the spec guarantees they are zero and X has no such columns.
+    // Decode the column once into (position, value) pairs, group by group (no division per
+    // entry), dropping entries at k >= K: the spec guarantees they are zero and X has no such
+    // columns.
     const T* vrow = args_.values + col * s.row_len;
     const uint32_t* irow = args_.indices + col * s.index_words;
-    int64_t live = 0;
-    for (int64_t j = 0; j < s.stored(); ++j) {
-      const int64_t k = (j / s.n) * s.m + read_offset(irow, j, s.bits);
-      if (k < K) { pos[live] = static_cast<int32_t>(k); val[live] = to_float(vrow[j]); ++live; }
+    int64_t live = 0, j = 0;
+    for (int64_t group_start = 0; group_start < K; group_start += s.m) {
+      for (int t = 0; t < s.n; ++t, ++j) {
+        const int64_t k = group_start + read_offset(irow, j, s.bits);
+        if (k < K) { pos[live] = static_cast<int32_t>(k); val[live] = to_float(vrow[j]); ++live; }
+      }
     }
     const float bias = args_.bias ? to_float(args_.bias[col]) : 0.0f;
     const OutputColumn<T> y = args_.y.column(col);
