@@ -22,7 +22,15 @@ from .report import human_bytes
 app = typer.Typer(name="nmcli", help="Prune ONNX models to N:M sparsity and run them on nmcli's kernels.",
                   add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   pretty_exceptions_enable=False)
-out = Console(soft_wrap=True)
+
+
+def _report_width() -> int | None:
+    """Rich squeezes tables to 80 columns when stdout is not a terminal (a log, a pipe, a
+    notebook), which cuts the numbers to '0.0…'; there, give them room unless COLUMNS says."""
+    return None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
+
+
+out = Console(soft_wrap=True, width=_report_width())
 err = Console(stderr=True, soft_wrap=True)
 
 
