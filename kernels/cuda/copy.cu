@@ -1,7 +1,8 @@
-// The copy-bandwidth ceiling the benchmarks report against: a device-to-device copy through
-// 16-byte vectors, several in flight per thread, on a grid that fills every SM. cudaMemcpyAsync
-// reached 2.42 TB/s on the H100 where a kernel like this one reaches 2.8-3.0 TB/s
-// (BENCHMARKS.md, sessions 4 and 14): the benchmarks take the faster of the two.
+// One of the copies behind the copy-bandwidth ceiling the benchmarks report against: 16-byte
+// vectors, several in flight per thread, on a grid that fills every SM. On the H100 it reaches
+// 2.81 TB/s, cudaMemcpyAsync 2.99 TB/s on its own but 2.42 TB/s as a CUDA-graph node
+// (BENCHMARKS.md, session 14): the benchmarks take the fastest, this kernel being the floor
+// where a driver's copy is slow.
 #include <cuda_runtime.h>
 
 #include <algorithm>
