@@ -97,9 +97,9 @@ def copy_bandwidth(torch, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     stream = torch.cuda.current_stream
     kernel = lambda: _kernels.cuda_copy(dst.data_ptr(), src.data_ptr(), nbytes, stream().cuda_stream)  # noqa: E731
-    memcpy = lambda: dst.copy_(src)  # noqa: E731
-    ms = min(_time_graph(torch, memcpy, replays=20), _time_graph(torch, kernel, replays=20),
-             _time_launches(torch, memcpy, replays=20))
+    torch_copy = lambda: dst.copy_(src)  # noqa: E731
+    ms = min(_time_graph(torch, torch_copy, replays=20), _time_graph(torch, kernel, replays=20),
+             _time_launches(torch, torch_copy, replays=20))
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 

@@ -86,14 +86,14 @@ class _Uses:
     def __init__(self, graph: onnx.GraphProto):
         self.nodes = list(graph.node)  # keeps the wrappers alive, so id() stays theirs
         self.position = {id(n): i for i, n in enumerate(self.nodes)}
-        self.producer = {o: n for n in graph.node for o in n.output}
+        self._resolver = ConstantResolver(graph)
+        self.producer = self._resolver.producers  # the same index: output name -> node
         self.readers = defaultdict(list)
         for n in graph.node:
             for name in set(n.input) | subgraph_inputs(n):  # a subgraph's outer-scope reads count
                 self.readers[name].append(n)
         self.outputs = {o.name for o in graph.output}
         self.names = {t.name for t in graph.initializer} | {i.name for i in graph.input} | set(self.producer)
-        self._resolver = ConstantResolver(graph)
 
     def only_reader(self, name: str, node: onnx.NodeProto) -> bool:
         return name not in self.outputs and len(self.readers[name]) == 1 and self.readers[name][0] is node

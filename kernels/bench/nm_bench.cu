@@ -143,6 +143,28 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
+// Median milliseconds of run(), each timed with CUDA events on `stream`.
+template <typename F>
+float median_ms(cudaStream_t stream, F run, int replays) {
+  cudaEvent_t start, end;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&end));
+  std::vector<float> times;
+  for (int i = 0; i < replays; ++i) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    run();
+    CHECK_CUDA(cudaEventRecord(end, stream));
+    CHECK_CUDA(cudaEventSynchronize(end));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, end));
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
+}
+
 // Median milliseconds of one replay of a graph capturing launch_all().
 template <typename F>
 float time_graph(cudaStream_t stream, F launch_all, int replays) {
@@ -155,25 +177,10 @@ float time_graph(cudaStream_t stream, F launch_all, int replays) {
   CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  cudaEvent_t start, end;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&end));
-  std::vector<float> times;
-  for (int i = 0; i < replays; ++i) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    CHECK_CUDA(cudaGraphLaunch(exec, stream));
-    CHECK_CUDA(cudaEventRecord(end, stream));
-    CHECK_CUDA(cudaEventSynchronize(end));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, end));
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(end);
+  const float ms = median_ms(stream, [&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); }, replays);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-  return times[times.size() / 2];
+  return ms;
 }
 
 int sets_for(size_t l2_bytes, size_t bytes_per_set) {
@@ -187,26 +194,12 @@ double copy_bandwidth_gbps(cudaStream_t stream) {
   CHECK_CUDA(cudaMemsetAsync(src.ptr, 1, bytes, stream));
   // The fastest of cudaMemcpyAsync inside a graph and on its own (2.42 against 2.99 TB/s on the
   // H100), and nmcli's 16-byte-vector copy kernel (kernels/cuda/copy.cu).
-  auto memcpy = [&] { CHECK_CUDA(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream)); };
-  float best_ms = std::min(time_graph(stream, memcpy, 20),
+  auto copy_call = [&] { CHECK_CUDA(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream)); };
+  float best_ms = std::min(time_graph(stream, copy_call, 20),
                            time_graph(stream, [&] { CHECK_CUDA(static_cast<cudaError_t>(nmcli::device_copy(dst.ptr, src.ptr, bytes, stream))); }, 20));
-  cudaEvent_t start, end;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&end));
-  std::vector<float> alone;
-  for (int i = 0; i <= 20; ++i) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    memcpy();
-    CHECK_CUDA(cudaEventRecord(end, stream));
-    CHECK_CUDA(cudaEventSynchronize(end));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, end));
-    if (i > 0) alone.push_back(ms);  // the first one warms up
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(end));
-  std::sort(alone.begin(), alone.end());
-  best_ms = std::min(best_ms, alone[alone.size() / 2]);
+  copy_call();  // warm-up
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  best_ms = std::min(best_ms, median_ms(stream, copy_call, 20));
   return 2.0 * bytes / (best_ms * 1e-3) / 1e9;
 }
 
