@@ -65,6 +65,10 @@ __device__ __forceinline__ uint64_t sw64_desc(uint32_t addr) {
          (2ull << 62);
 }
 
+// The descriptor of the tile `bytes` further on: the start address sits in the low bits, and a
+// tile in shared memory (< 228 KB) never carries out of its 14-bit field.
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // D[64 x N] += A[64 x 16] * B[16 x N], both K-major tiles in shared memory (descriptors above),
 // fp32 accumulators (N/2 per thread; the mma.m16n8 C layout per warp, warp w owning rows
 // 16w..16w+15). PTX takes the accumulators as a brace list of registers, so the operand lists are

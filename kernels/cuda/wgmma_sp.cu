@@ -85,9 +85,8 @@ struct SpStepLoader {
   // Step t's entries [t * kStored, (t + 1) * kStored) lie either inside every row or, for the
   // steps that round the last group up, past its end (the row length is a multiple of 32):
   // those steps are zeros.
-  __device__ __forceinline__ void load(const PathParams<T>& p, uint8_t* stage, int64_t t) const {
-    const uint32_t base = sm90::smem_addr(stage);
-    const bool in_row = t * kStored < p.row_len;
+  __device__ __forceinline__ void load(const PathParams<T>& p, uint32_t base, int t) const {
+    const bool in_row = static_cast<int64_t>(t) * kStored < p.row_len;
     x.load(p, base, t);
 #pragma unroll
     for (int j = 0; j < kV; ++j) {
@@ -125,8 +124,6 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) 
   // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
   // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
   const uint32_t halves = (lane & 1) ? 0x7632u : 0x5410u;
-  auto stage_of = [&](int64_t t) { return smem + (t % S) * L::kStage; };
-
   const SpStepLoader<T, kRows> loader(p, w0, r0);
 
   float acc[kRows / 2];
@@ -142,44 +139,57 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) 
   // commit group, issued into the stages of the group that just finished. With few activation
   // rows a group computes for less than a memory latency, so with NG = 2 every group waited for
   // its copies; the 64-row tile's ring holds 3 groups (BENCHMARKS.md, session 13).
+  // At 17-64 rows the loop's instructions show in its time (Nsight at 17 x 4096 x 4096: 2 warps
+  // per scheduler, issue slots busy 41% of the SM's active cycles, DRAM at 23%): stages are
+  // tracked by a counter, not by a 64-bit t % S, and a group's descriptors are its first stage's
+  // plus constants (3-11% faster at 17-64 rows, BENCHMARKS.md session 15).
   constexpr int NG = L::kRingGroups;
-  int64_t begin, end;  // this block's steps (all of them unless K is split over a cluster)
-  sm90::split_steps<G>(steps, begin, end);
-  auto load_group = [&](int64_t first) {
+  int64_t begin64, end64;  // this block's steps (all of them unless K is split over a cluster)
+  sm90::split_steps<G>(steps, begin64, end64);
+  const int begin = static_cast<int>(begin64), end = static_cast<int>(end64);
+  const uint32_t ring = sm90::smem_addr(smem);
+  auto next_slot = [](int slot) { return slot + G == S ? 0 : slot + G; };  // groups start at multiples of G
+  auto load_group = [&](int first, int slot) {
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      if (first + g < end) loader.load(p, stage_of(first + g), first + g);
+      if (first + g < end) loader.load(p, ring + (slot + g) * static_cast<uint32_t>(L::kStage), first + g);
     sm90::cp_async_commit();  // one commit group per group of steps, empty past the end
   };
+  int slot = 0, load_slot = 0;  // stages of the group computed next and of the group copied next
 #pragma unroll
-  for (int j = 0; j < NG - 1; ++j) load_group(begin + j * G);
-  for (int64_t t = begin; t < end; t += G) {
+  for (int j = 0; j < NG - 1; ++j, load_slot = next_slot(load_slot)) load_group(begin + j * G, load_slot);
+  for (int t = begin; t < end; t += G) {
     sm90::cp_async_wait<NG - 2>();  // this thread's copies of steps t .. t + G - 1 landed
     sm90::fence_async_proxy();
     __syncthreads();  // ... every thread's; no MMA reads steps < t any more
-    load_group(t + (NG - 1) * G);
+    load_group(t + (NG - 1) * G, load_slot);
+    load_slot = next_slot(load_slot);
 
+    const uint8_t* stages = smem + slot * L::kStage;  // the group's G stages, one after another
     uint32_t meta[G][kMetaWords];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(stage_of(t + g) + L::kX + L::kA);
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(stages + g * L::kStage + L::kX + L::kA);
 #pragma unroll
       for (int s = 0; s < kMetaWords; ++s)
         meta[g][s] = valid_metadata(__byte_perm(words[row * kMetaWords + s], words[(row + 8) * kMetaWords + s], halves));
     }
+    const uint32_t xs = ring + slot * static_cast<uint32_t>(L::kStage);
+    const uint64_t x_desc = sm90::sw128_desc(xs);
+    const uint64_t a_desc = sm90::sw64_desc(xs + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2);
     sm90::fence_operands(acc);
     sm90::wgmma_fence();
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const uint32_t xs = sm90::smem_addr(stage_of(t + g));
-      const uint32_t as = xs + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2;
 #pragma unroll
       for (int s = 0; s < kMetaWords; ++s)
-        sm90::wgmma_sp<kRows, kBf16>(acc, sm90::sw64_desc(as + s * 32), sm90::sw128_desc(xs + s * 64), meta[g][s]);
+        sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kStage + s * 32),
+                                     sm90::desc_plus(x_desc, g * L::kStage + s * 64), meta[g][s]);
     }
     sm90::wgmma_commit();
     sm90::fence_operands(acc);
     sm90::wgmma_wait<0>();
+    slot = next_slot(slot);
   }
   if (sm90::reduce_split(acc, smem)) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
 #else
@@ -323,31 +333,33 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   const int64_t steps = ((p.groups * kM + kBK - 1) / kBK + G - 1) / G * G;  // whole groups of steps
   const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
-  auto x_tile = [&](int64_t t) { return smem + (t % S) * L::kX; };
-  auto a_tile = [&](int64_t t) { return smem + L::kAOffset + (t % S) * L::kA; };
-  auto packed = [&](int64_t t) { return smem + L::kPackedOffset + (t % S) * L::kPacked; };
-  auto meta = [&](int64_t t) { return reinterpret_cast<uint32_t*>(smem + L::kMetaOffset + (t % S) * L::kMeta); };
+  // Step g of group k sits in stage (k % 2) * G + g (S = 2G): no 64-bit division per step, which
+  // the loop at 17-64 rows notices (see wgmma_sp_kernel).
+  static_assert(S == 2 * G, "two groups of stages");
+  auto stage = [](int k, int g) { return (k & 1) * G + g; };
+  auto x_tile = [&](int k, int g) { return smem + stage(k, g) * L::kX; };
+  auto a_tile = [&](int k, int g) { return smem + L::kAOffset + stage(k, g) * L::kA; };
+  auto packed = [&](int k, int g) { return smem + L::kPackedOffset + stage(k, g) * L::kPacked; };
+  auto meta = [&](int k, int g) { return reinterpret_cast<uint32_t*>(smem + L::kMetaOffset + stage(k, g) * L::kMeta); };
 
   const sm90::ActivationLoader<T, kRows> x_loader(p, r0);
   const sm90::PackedLoader<T, kN, kM> w_loader(p, w0);
   int64_t begin, end;  // this block's steps (all of them unless K is split over a cluster)
   sm90::split_steps<G>(steps, begin, end);
-  auto load_x = [&](int64_t group) {
+  auto load_x = [&](int group) {
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      if (group * G + g < end) x_loader.load(p, sm90::smem_addr(x_tile(group * G + g)), group * G + g);
+      if (group * G + g < end) x_loader.load(p, sm90::smem_addr(x_tile(group, g)), group * G + g);
   };
-  auto load_w = [&](int64_t group) {
+  auto load_w = [&](int group) {
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      if (group * G + g < end) w_loader.load(p, sm90::smem_addr(packed(group * G + g)), group * G + g);
+      if (group * G + g < end) w_loader.load(p, sm90::smem_addr(packed(group, g)), group * G + g);
   };
-  auto regroup = [&](int64_t group) {
+  auto regroup = [&](int group) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const int64_t t = group * G + g;
-      regroup_step<kN, kM>(packed(t), t, row, q, a_tile(t), meta(t) + threadIdx.x, table);
-    }
+    for (int g = 0; g < G; ++g)
+      regroup_step<kN, kM>(packed(group, g), group * G + g, row, q, a_tile(group, g), meta(group, g) + threadIdx.x, table);
   };
 
   float acc[kRows / 2];
@@ -356,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
   sm90::fence_operands(acc);
   fill_regroup_table<kN, kM>(table);
 
-  const int64_t first = begin / G, last = end / G;  // this block's groups [first, last)
+  const int first = static_cast<int>(begin / G), last = static_cast<int>(end / G);  // this block's groups [first, last)
   load_x(first);
   load_w(first);
   load_w(first + 1);
@@ -367,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
 
   // This thread's metadata word for MMA s of a step: chunk 2s + (lane & 1) of its quad's rows.
   const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
-  for (int64_t k = first; k < last; ++k) {
+  for (int k = first; k < last; ++k) {
     sm90::cp_async_wait<0>();
     sm90::fence_async_proxy();
     __syncthreads();  // group k's tiles are regrouped, its activations and group k + 1's packed tiles landed
@@ -376,16 +388,17 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
 #pragma unroll
     for (int g = 0; g < G; ++g)
 #pragma unroll
-      for (int s = 0; s < kMetaWords; ++s) words[g][s] = meta(k * G + g)[meta_reader + 2 * s];
+      for (int s = 0; s < kMetaWords; ++s) words[g][s] = meta(k, g)[meta_reader + 2 * s];
+    const uint64_t x_desc = sm90::sw128_desc(sm90::smem_addr(x_tile(k, 0)));
+    const uint64_t a_desc = sm90::sw64_desc(sm90::smem_addr(a_tile(k, 0)) + wg * 64 * kStored * 2);
     sm90::fence_operands(acc);
     sm90::wgmma_fence();
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const int64_t t = k * G + g;
-      const uint32_t xs = sm90::smem_addr(x_tile(t)), as = sm90::smem_addr(a_tile(t)) + wg * 64 * kStored * 2;
 #pragma unroll
       for (int s = 0; s < kMetaWords; ++s)
-        sm90::wgmma_sp<kRows, kBf16>(acc, sm90::sw64_desc(as + s * 32), sm90::sw128_desc(xs + s * 64), words[g][s]);
+        sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kA + s * 32),
+                                     sm90::desc_plus(x_desc, g * L::kX + s * 64), words[g][s]);
     }
     sm90::wgmma_commit();
     sm90::fence_operands(acc);
