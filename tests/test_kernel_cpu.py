@@ -1,4 +1,8 @@
 """The C++ CPU kernel through nmcli._kernels, against the float64 reference."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from conftest import FAMILIES
@@ -17,7 +21,9 @@ def packed_random(rng, k, nout, pattern, dtype):
 @pytest.mark.parametrize("n,m", FAMILIES + [(3, 7)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("x_shape,k,nout", [((1, 64), 64, 1), ((5, 100), 100, 33), ((2, 3, 71), 71, 17),
-                                            ((2, 2, 3, 256), 256, 64), ((33,), 33, 9)])
+                                            ((2, 2, 3, 256), 256, 64), ((33,), 33, 9),
+                                            # row tiles of 4, 16 and 32 (the last one partial)
+                                            ((3, 40), 40, 7), ((2, 7, 48), 48, 20), ((70, 96), 96, 40)])
 def test_matches_reference(rng, n, m, dtype, x_shape, k, nout):
     if k < m:
         pytest.skip("K < M is never pruned")
@@ -79,6 +85,31 @@ def test_fused_neighbours_reject_bad_inputs(rng):
     with pytest.raises(ValueError, match="exclude each other"):
         _kernels.nm_matmul_cpu(x, packed.values, packed.indices, x_up=x, glu="silu", norm_weight=np.ones(64, np.float32),
                                **call)
+
+
+def test_baseline_vectors_match_reference():
+    """NMCLI_CPU_BASELINE=1 keeps the 4-lane row-tile code on CPUs with AVX2 too; it must agree
+    with the reference as the default path does (own process: the choice is made once)."""
+    script = """
+import numpy as np
+from nmcli import _kernels
+from nmcli.format import NMPattern, pack, unpack
+from nmcli.masks import choose_offsets
+from nmcli.reference import dense_reference, error_ratio
+rng = np.random.default_rng(7)
+for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64, 9, (2, 4)), (70, 96, 40, (4, 16))]:
+    for dtype in (np.float32, np.float16):
+        w = rng.standard_normal((k, nout)).astype(dtype)
+        packed = pack(w, choose_offsets(np.abs(w), NMPattern(n, m)), NMPattern(n, m))
+        x = rng.standard_normal((rows, k)).astype(dtype)
+        y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=n, m=m, k=k, alpha=0.5)
+        ref, magnitude = dense_reference(x, unpack(packed), None, 0.5)
+        assert error_ratio(y, ref, magnitude, dtype, k) < 1, (rows, k, nout, n, m, dtype)
+print("ok")
+"""
+    env = dict(os.environ, NMCLI_CPU_BASELINE="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_threads_agree(rng):

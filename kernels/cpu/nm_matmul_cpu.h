@@ -43,9 +43,13 @@ class NMMatMulCpu {
   void compute_block(int64_t block) const;
 
  private:
+  void build_tiles();
+
   NMMatMulArgs<T> args_;
   const float* x32_ = nullptr;    // activations A as fp32 [rows, K]
   float* x32_storage_ = nullptr;  // owned when T is not float or A is not X
+  int tile_rows_ = 0;             // from 2 rows: A in tiles of 4, 8, 16 or 32 rows, [tile][K][rows]
+  float* tiles_ = nullptr;
 };
 
 // Convenience: the whole product on std::threads (used by the pybind module and tests).
