@@ -87,7 +87,7 @@ def test_fused_neighbours_reject_bad_inputs(rng):
                                **call)
 
 
-def test_baseline_vectors_match_reference():
+def test_baseline_vectors_match_reference(tmp_path):
     """NMCLI_CPU_BASELINE=1 keeps the 4-lane row-tile code on CPUs with AVX2 too; it must agree
     with the reference as the default path does (own process: the choice is made once)."""
     script = """
@@ -108,7 +108,9 @@ for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64,
 print("ok")
 """
     env = dict(os.environ, NMCLI_CPU_BASELINE="1")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    # Run outside the checkout, so the installed package (with its built module) is imported.
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
