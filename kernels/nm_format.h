@@ -56,4 +56,28 @@ NM_HD uint32_t read_offset(const uint32_t* row_words, int64_t j, int bits) {
   return static_cast<uint32_t>(window >> shift) & ((1u << bits) - 1u);
 }
 
+// The offsets of a row in entry order (0, 1, 2, ...) for readers that walk the whole row: the
+// same B-bit fields as read_offset, through a 64-bit buffer refilled one word at a time.
+class OffsetStream {
+ public:
+  NM_HD OffsetStream(const uint32_t* row_words, int bits) : words_(row_words), bits_(bits), mask_((1u << bits) - 1u) {}
+  NM_HD uint32_t next() {
+    if (buffered_ < bits_) {
+      buffer_ |= static_cast<uint64_t>(*words_++) << buffered_;
+      buffered_ += 32;
+    }
+    const uint32_t offset = static_cast<uint32_t>(buffer_) & mask_;
+    buffer_ >>= bits_;
+    buffered_ -= bits_;
+    return offset;
+  }
+
+ private:
+  const uint32_t* words_;
+  int bits_;
+  uint32_t mask_;
+  uint64_t buffer_ = 0;
+  int buffered_ = 0;
+};
+
 }  // namespace nmcli

@@ -64,38 +64,25 @@ void NMMatMulCpu<T>::build_tiles() {
 
 namespace {
 
-// Decodes a column's stored entries into (position, value) pairs and returns how many: the
-// offsets are read as one bit stream through a 64-bit buffer, a word at a time, and entries at
-// k >= K (only in a partial last group) are dropped, since the spec makes them zero and X has no
-// such columns.
+// Decodes a column's stored entries into (position, value) pairs and returns how many, reading
+// the offsets in order (OffsetStream) and dropping entries at k >= K (only in a partial last
+// group), since the spec makes them zero and X has no such columns.
 template <typename T>
 int64_t decode_column(const NMShape& s, const T* vrow, const uint32_t* irow, int32_t* pos, float* val) {
-  const uint32_t mask = (1u << s.bits) - 1u;
-  uint64_t buffer = 0;
-  int buffered = 0;
+  OffsetStream offsets(irow, s.bits);
   int64_t live = 0, j = 0;
-  auto next_offset = [&] {
-    if (buffered < s.bits) {
-      buffer |= static_cast<uint64_t>(*irow++) << buffered;
-      buffered += 32;
-    }
-    const uint32_t off = static_cast<uint32_t>(buffer) & mask;
-    buffer >>= s.bits;
-    buffered -= s.bits;
-    return off;
-  };
   const int64_t full_groups = s.k / s.m;
   for (int64_t g = 0; g < full_groups; ++g) {
     const int32_t base = static_cast<int32_t>(g * s.m);
     for (int t = 0; t < s.n; ++t, ++j, ++live) {
-      pos[live] = base + static_cast<int32_t>(next_offset());
+      pos[live] = base + static_cast<int32_t>(offsets.next());
       val[live] = to_float(vrow[j]);
     }
   }
   if (full_groups < s.groups) {  // the partial last group
     const int64_t base = full_groups * s.m;
     for (int t = 0; t < s.n; ++t, ++j) {
-      const int64_t k = base + next_offset();
+      const int64_t k = base + offsets.next();
       if (k < s.k) pos[live] = static_cast<int32_t>(k), val[live] = to_float(vrow[j]), ++live;
     }
   }
@@ -139,10 +126,6 @@ inline __attribute__((always_inline)) void tile_sums_body(const int32_t* pos, co
 // once at run time: then 8 lanes with fused multiply-adds, from code compiled for that target
 // alone, so the library itself stays portable. (GCC's target_clones("arch=haswell") was tried:
 // its resolver tests the CPU model, not features, and picked the slow clone on newer CPUs.)
-template <int R>
-void tile_sums_portable(const int32_t* pos, const float* val, int64_t live, const float* tile, float* sums) {
-  tile_sums_body<R, 4>(pos, val, live, tile, sums);
-}
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 template <int R>
 __attribute__((target("avx2,fma"))) void tile_sums_avx2(const int32_t* pos, const float* val, int64_t live,
@@ -162,7 +145,7 @@ void tile_sums_for(const int32_t* pos, const float* val, int64_t live, const flo
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   if (has_avx2_fma()) return tile_sums_avx2<R>(pos, val, live, tile, sums);
 #endif
-  tile_sums_portable<R>(pos, val, live, tile, sums);
+  tile_sums_body<R, 4>(pos, val, live, tile, sums);
 }
 
 void tile_sums(int rows_per_tile, const int32_t* pos, const float* val, int64_t live, const float* tile, float* sums) {

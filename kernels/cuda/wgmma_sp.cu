@@ -140,31 +140,32 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) 
   // rows a group computes for less than a memory latency, so with NG = 2 every group waited for
   // its copies; the 64-row tile's ring holds 3 groups (BENCHMARKS.md, session 13).
   // At 17-64 rows the loop's instructions show in its time (Nsight at 17 x 4096 x 4096: 2 warps
-  // per scheduler, issue slots busy 41% of the SM's active cycles, DRAM at 23%): stages are
-  // tracked by a counter, not by a 64-bit t % S, and a group's descriptors are its first stage's
-  // plus constants (3-11% faster at 17-64 rows, BENCHMARKS.md session 15).
+  // per scheduler, issue slots busy 41% of the SM's active cycles, DRAM at 23%): stages come from
+  // the 32-bit group index (sm90::ring_stage), not from a 64-bit t % S, and a group's descriptors
+  // are its first stage's plus constants (3-11% faster at 17-64 rows, BENCHMARKS.md session 15).
   constexpr int NG = L::kRingGroups;
-  int64_t begin64, end64;  // this block's steps (all of them unless K is split over a cluster)
-  sm90::split_steps<G>(steps, begin64, end64);
-  const int begin = static_cast<int>(begin64), end = static_cast<int>(end64);
+  static_assert(S == NG * G, "the ring holds NG groups of G stages");
+  int64_t begin, end64;  // this block's steps (all of them unless K is split over a cluster)
+  sm90::split_steps<G>(steps, begin, end64);
+  const int end = static_cast<int>(end64);
+  const int first = static_cast<int>(begin / G), last = static_cast<int>(end64 / G);  // this block's groups
   const uint32_t ring = sm90::smem_addr(smem);
-  auto next_slot = [](int slot) { return slot + G == S ? 0 : slot + G; };  // groups start at multiples of G
-  auto load_group = [&](int first, int slot) {
+  auto load_group = [&](int k) {
+    const uint32_t stages = ring + sm90::ring_stage<NG, G>(k) * static_cast<uint32_t>(L::kStage);
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      if (first + g < end) loader.load(p, ring + (slot + g) * static_cast<uint32_t>(L::kStage), first + g);
+      if (k * G + g < end) loader.load(p, stages + g * static_cast<uint32_t>(L::kStage), k * G + g);
     sm90::cp_async_commit();  // one commit group per group of steps, empty past the end
   };
-  int slot = 0, load_slot = 0;  // stages of the group computed next and of the group copied next
 #pragma unroll
-  for (int j = 0; j < NG - 1; ++j, load_slot = next_slot(load_slot)) load_group(begin + j * G, load_slot);
-  for (int t = begin; t < end; t += G) {
-    sm90::cp_async_wait<NG - 2>();  // this thread's copies of steps t .. t + G - 1 landed
+  for (int j = 0; j < NG - 1; ++j) load_group(first + j);
+  for (int k = first; k < last; ++k) {
+    sm90::cp_async_wait<NG - 2>();  // this thread's copies of group k's steps landed
     sm90::fence_async_proxy();
-    __syncthreads();  // ... every thread's; no MMA reads steps < t any more
-    load_group(t + (NG - 1) * G, load_slot);
-    load_slot = next_slot(load_slot);
+    __syncthreads();  // ... every thread's; no MMA reads an earlier group any more
+    load_group(k + NG - 1);
 
+    const int slot = sm90::ring_stage<NG, G>(k);
     const uint8_t* stages = smem + slot * L::kStage;  // the group's G stages, one after another
     uint32_t meta[G][kMetaWords];
 #pragma unroll
@@ -189,7 +190,6 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) 
     sm90::wgmma_commit();
     sm90::fence_operands(acc);
     sm90::wgmma_wait<0>();
-    slot = next_slot(slot);
   }
   if (sm90::reduce_split(acc, smem)) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
 #else
@@ -333,10 +333,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   const int64_t steps = ((p.groups * kM + kBK - 1) / kBK + G - 1) / G * G;  // whole groups of steps
   const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
-  // Step g of group k sits in stage (k % 2) * G + g (S = 2G): no 64-bit division per step, which
-  // the loop at 17-64 rows notices (see wgmma_sp_kernel).
+  // Step g of group k sits in stage ring_stage(k) + g of a ring of two groups (see wgmma_sp_kernel).
   static_assert(S == 2 * G, "two groups of stages");
-  auto stage = [](int k, int g) { return (k & 1) * G + g; };
+  auto stage = [](int k, int g) { return sm90::ring_stage<2, G>(k) + g; };
   auto x_tile = [&](int k, int g) { return smem + stage(k, g) * L::kX; };
   auto a_tile = [&](int k, int g) { return smem + L::kAOffset + stage(k, g) * L::kA; };
   auto packed = [&](int k, int g) { return smem + L::kPackedOffset + stage(k, g) * L::kPacked; };

@@ -165,6 +165,13 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, Launch&& launch)
   return launch(std::integral_constant<int, 64>{}, best_split);
 }
 
+// The first stage of group `group` in a ring of kGroups groups of kSteps stages: 32-bit, from the
+// group index (a 64-bit t % S per step showed in the loops at 17-64 rows, BENCHMARKS.md session 15).
+template <int kGroups, int kSteps>
+__device__ __forceinline__ int ring_stage(int group) {
+  return static_cast<int>(static_cast<unsigned>(group) % kGroups) * kSteps;  // unsigned: k % 2 is k & 1
+}
+
 // This block's share of `steps` when a cluster of gridDim.z blocks splits them: whole groups of
 // kGroup steps, [begin, end).
 template <int kGroup>
