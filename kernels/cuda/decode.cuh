@@ -53,6 +53,10 @@ constexpr int kRowsPerBlock = kWarps;  // one weight row per warp at a time
 #define NMCLI_DECODE_VECTORS 2
 #endif
 constexpr int kVectorsPerLane = NMCLI_DECODE_VECTORS;  // 16-byte vectors per lane per step
+#ifndef NMCLI_DECODE_DEPTH
+#define NMCLI_DECODE_DEPTH 2
+#endif
+constexpr int kDepth = NMCLI_DECODE_DEPTH;  // steps whose loads are issued ahead, plus the current one
 constexpr int kStageBytes = 200 * 1024;    // shared-memory budget for staged activations (of 227 KB per block)
 
 // Staged element type for R padded rows of T.
@@ -249,8 +253,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
 
   // Offset bits of one vector: 32-bit when the compile-time pattern fits (every static family).
   using Off = std::conditional_t<(kStatic && VEC * index_bits(kStatic ? kM : 2) <= 32), uint32_t, uint64_t>;
+  // A vector's offset bits arrive as the two index words they lie in (x, y), and compute_step
+  // shifts them into place: shifting at the load made the warp wait for the next step's words
+  // before it multiplied the current step (BENCHMARKS.md, session 16). Kernels with more rows
+  // shift at the load (as a 64-bit value in x, y), because the deferred shift's live words
+  // compiled them to register spills (-Xptxas=-v: 16-row fp16 38 -> 96 bytes, 4-8-row fp32
+  // 0 -> 8-20 bytes).
+  constexpr bool kDeferShift = R <= (sizeof(T) == 2 ? 8 : 2);
+  auto vector_shift = [&](int v) { return static_cast<int>((static_cast<int64_t>(v) * vec_bits) & 31); };
+  auto aligned = [](uint2 w, int shift) { return (static_cast<uint64_t>(w.y) << 32 | w.x) >> shift; };
   // Issues the loads of step s (zeros past the chunk and past Nout).
-  auto load_step = [&](uint4 (&vals)[U], Off (&offs)[U], Step s) {
+  auto load_step = [&](uint4 (&vals)[U], uint2 (&offs)[U], Step s) {
     const int64_t row = row_of(s.tile);
     const int end = v_end(s.g0);
     const T* vrow = p.values + row * p.row_len;
@@ -259,15 +272,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
     for (int u = 0; u < U; ++u) {
       const int v = s.vb + lane + 32 * u;
       vals[u] = make_uint4(0, 0, 0, 0);
-      offs[u] = 0;
+      offs[u] = make_uint2(0, 0);
       if (v < end && row < p.nout) {
         vals[u] = load_stream16(vrow + static_cast<int64_t>(v) * VEC);
         const int64_t bit = static_cast<int64_t>(v) * vec_bits;
-        const int shift = static_cast<int>(bit & 31);
         const uint32_t* wp = irow + (bit >> 5);
-        uint64_t window = __ldg(wp);  // neighbouring lanes share index words: let L1 keep them
-        if (shift + vec_bits > 32) window |= static_cast<uint64_t>(__ldg(wp + 1)) << 32;
-        offs[u] = static_cast<Off>(window >> shift);
+        offs[u].x = __ldg(wp);  // neighbouring lanes share index words: let L1 keep them
+        if (static_cast<int>(bit & 31) + vec_bits > 32) offs[u].y = __ldg(wp + 1);
+        if constexpr (!kDeferShift) {
+          const uint64_t a = aligned(offs[u], vector_shift(v));
+          offs[u] = make_uint2(static_cast<uint32_t>(a), static_cast<uint32_t>(a >> 32));
+        }
       }
     }
   };
@@ -277,9 +292,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
 
   // Multiplies the step's entries into acc.
-  auto compute_step = [&](const uint4 (&vals)[U], const Off (&offs)[U], Step s) {
+  auto compute_step = [&](const uint4 (&vals)[U], const uint2 (&words)[U], Step s) {
     const int end = v_end(s.g0);
     const int e_begin = s.g0 * n;  // first stored entry of the chunk; a multiple of VEC
+    Off offs[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      offs[u] = static_cast<Off>(aligned(words[u], kDeferShift ? vector_shift(s.vb + lane + 32 * u) : 0));
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = s.vb + lane + 32 * u;
@@ -339,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
   bool staged = false;
   // Stages the chunk's activations when the step opens it (block-uniform: every warp of the block
   // walks the same steps), multiplies, and finishes the row after its last step.
-  auto process = [&](const uint4 (&vals)[U], const Off (&offs)[U], Step s, Step next) {
+  auto process = [&](const uint4 (&vals)[U], const uint2 (&offs)[U], Step s, Step next) {
     if (s.vb == v_begin(s.g0) && (!staged || !single_chunk)) {
       if (staged) {
         __syncthreads();  // every warp is done with the previous chunk
@@ -363,23 +382,28 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
     if (next.tile != s.tile) finish_row(s.tile);
   };
 
-  // Software pipeline, two register buffers: the next step's loads (possibly the next row's) are
-  // in flight while the current one is multiplied, so a warp never waits a full memory latency
-  // between rows. The block walks tiles blockIdx.x, + gridDim.x, ... (a persistent grid).
-  uint4 vals_a[U], vals_b[U];
-  Off offs_a[U], offs_b[U];
-  Step s0{static_cast<int>(blockIdx.x), 0, 0};
-  load_step(vals_a, offs_a, s0);
+  // Software pipeline, kDepth register buffers: the next steps' loads (possibly the next rows')
+  // are in flight while the current one is multiplied, so a warp never waits a full memory
+  // latency between rows. The block walks tiles blockIdx.x, + gridDim.x, ... (a persistent grid).
+  uint4 vals[kDepth][U];
+  uint2 offs[kDepth][U];
+  Step current{static_cast<int>(blockIdx.x), 0, 0}, ahead = current;
+  load_step(vals[0], offs[0], current);
+#pragma unroll
+  for (int d = 1; d < kDepth - 1; ++d) {
+    ahead = advance(ahead);
+    if (ahead.tile < tiles) load_step(vals[d], offs[d], ahead);
+  }
   for (;;) {
-    const Step s1 = advance(s0);
-    if (s1.tile < tiles) load_step(vals_b, offs_b, s1);
-    process(vals_a, offs_a, s0, s1);
-    if (s1.tile >= tiles) break;
-    const Step s2 = advance(s1);
-    if (s2.tile < tiles) load_step(vals_a, offs_a, s2);
-    process(vals_b, offs_b, s1, s2);
-    if (s2.tile >= tiles) break;
-    s0 = s2;
+#pragma unroll
+    for (int b = 0; b < kDepth; ++b) {
+      ahead = advance(ahead);
+      if (ahead.tile < tiles) load_step(vals[(b + kDepth - 1) % kDepth], offs[(b + kDepth - 1) % kDepth], ahead);
+      const Step next = advance(current);
+      process(vals[b], offs[b], current, next);
+      if (next.tile >= tiles) return;
+      current = next;
+    }
   }
 }
 
