@@ -13,9 +13,12 @@
 //    once for 32 rows at a time (measured against 2 blocks of 16: equal at 1 row, 5-35% faster at
 //    4-8 rows, where the staged activations are larger). The grid is sized so every block walks
 //    the same number of tiles (no last partial wave).
-//  * Measured and not kept (BENCHMARKS.md, session 4): 4 vectors per step, and cp.async landing
-//    rings in shared memory 2-4 steps deep (more bytes in flight, same or slower): the gap to a
-//    plain read of the same bytes is a fixed cost per call, not bytes in flight.
+//  * Measured and not kept (BENCHMARKS.md, sessions 4 and 16): 4 vectors per step, cp.async
+//    landing rings in shared memory 2-4 steps deep, and 3 register buffers of 1 vector (more or
+//    finer bytes in flight, same or slower).
+//  * What bounds a 1-row call is instruction issue (session 16, Nsight Compute: the schedulers
+//    issue on 80% of cycles), so the inner loop is written for few instructions per entry: one
+//    shift and one LOP3 place an entry's offset field in its shared-memory address.
 //  * Common N:M families are compiled with N, M and B as constants (group index by shift,
 //    offset extraction by constant shifts); any other pattern takes the runtime-N:M variant.
 //  * Activations are staged once per block in shared memory, the R rows of a position side by
@@ -58,6 +61,8 @@ constexpr int kVectorsPerLane = NMCLI_DECODE_VECTORS;  // 16-byte vectors per la
 #endif
 constexpr int kDepth = NMCLI_DECODE_DEPTH;  // steps whose loads are issued ahead, plus the current one
 constexpr int kStageBytes = 200 * 1024;    // shared-memory budget for staged activations (of 227 KB per block)
+
+__host__ __device__ constexpr int ilog2(int v) { return v > 1 ? 1 + ilog2(v / 2) : 0; }
 
 // Staged element type for R padded rows of T.
 template <typename T, int R>
@@ -305,14 +310,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
       if (v >= end) continue;
       const int e0 = v * VEC - e_begin;  // entry index within the chunk
       if constexpr (kVectorBase) {
-        // The vector covers run e0 / VEC; position d of the run sits d rows of 32 slots below.
-        const S* base = xs + Layout::run_slot(static_cast<unsigned>(e0) / VEC) * R;
+        // The vector covers run e0 / VEC; position d + off of the run sits d + off rows of 32
+        // slots below its first. Run slots use bits below 5 and from 5 + log2(run) up, and
+        // d + off < run, so in bytes the entry's address is base | off << kRowShift, plus the
+        // constant d << kRowShift: one shift and one LOP3 per entry move its offset field into
+        // place (the sum as written took five integer instructions per entry, BENCHMARKS.md
+        // session 16).
+        constexpr int kRowShift = 5 + ilog2(R * static_cast<int>(sizeof(S)));
+        const uint32_t base = static_cast<uint32_t>(Layout::run_slot(static_cast<unsigned>(e0) / VEC)) << (kRowShift - 5);
+        const unsigned char* xs_bytes = reinterpret_cast<const unsigned char*>(xs);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const int d = (i / kN) * kM;
-          const int off = static_cast<int>((offs[u] >> (i * bits)) & mask);
+          const int up = kRowShift - i * bits;  // moves field i to bit kRowShift
+          const Off field = up >= 0 ? offs[u] << up : offs[u] >> -up;
+          const uint32_t at = (static_cast<uint32_t>(field) & (mask << kRowShift)) | base;
           float x[R];
-          load_position<S, R>(base + ((d + off) << 5) * R, x);
+          load_position<S, R>(reinterpret_cast<const S*>(xs_bytes + at + (d << kRowShift)), x);
           const float w = vec_entry<T>(vals[u], i);
 #pragma unroll
           for (int r = 0; r < R; ++r) acc[r] = fmaf(w, x[r], acc[r]);

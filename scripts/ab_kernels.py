@@ -1,0 +1,100 @@
+"""Two or more builds of nmcli's kernels timed in one process: the installed `nmcli._kernels`
+("new") against other builds' `_kernels*.so` files, on the same packed weights and buffers,
+alternating builds per point (BENCHMARKS.md, session 16). Calls between leases of the same GPU
+model differed by up to 10% in session 16, so a change is measured against its base here, not
+against an older table.
+
+Each point is bench_kernels' method: several weight sets past L2 rotated in one CUDA graph,
+median of 15 replays, three rounds per build (all printed, the median reported). fp16, weights
+magnitude-pruned from normal data. Needs torch and a GPU.
+
+    git archive HEAD | tar -x -C /tmp/head && (cd /tmp/head && pip install --no-deps --target /tmp/old .)
+    python scripts/ab_kernels.py --path decode --rows 1 --rows 4 old=$(ls /tmp/old/nmcli/_kernels*.so)
+"""
+import argparse
+import importlib.util
+
+import numpy as np
+import torch
+
+from nmcli import _kernels as installed
+from nmcli import bench_kernels
+from nmcli.format import NMPattern, pack
+from nmcli.masks import choose_offsets
+
+# (K, Nout): LLaMA-7B/8B projections, with the fused Q/K/V (12288) and gate/up (28672) widths.
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 12288), (4096, 28672)]
+ROUNDS = 3
+
+
+def load_build(name: str, so_path: str):
+    spec = importlib.util.spec_from_file_location(f"{name}._kernels", so_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Point:
+    """One call's buffers: the packed weight replicated over sets past L2, activations, outputs;
+    shared by every build, so all of them run on the same bytes."""
+
+    def __init__(self, m, k, n, pattern, values, indices, l2_bytes):
+        self.m, self.k, self.n, self.pattern = m, k, n, pattern
+        per_set = values.numel() * 2 + indices.numel() * 4 + (m * k + m * n) * 2
+        self.sets = bench_kernels._sets_for(l2_bytes, per_set)
+        self.values = [values.clone() for _ in range(self.sets)]
+        self.indices = [indices.clone() for _ in range(self.sets)]
+        self.x = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(self.sets)]
+        self.y = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in range(self.sets)]
+
+    def time_us(self, module, path: str) -> float:
+        """Median microseconds per call of `module`'s kernel."""
+        def launch():
+            stream = torch.cuda.current_stream().cuda_stream
+            for i in range(self.sets):
+                module.nm_matmul_cuda(self.x[i].data_ptr(), self.values[i].data_ptr(), self.indices[i].data_ptr(), 0,
+                                      self.y[i].data_ptr(), self.m, self.pattern.n, self.pattern.m, self.k, self.n,
+                                      "float16", 1.0, stream, path)
+
+        return bench_kernels._time_graph(torch, launch, 15) / self.sets * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("builds", nargs="+", help="name=path/to/_kernels.so of each other build")
+    parser.add_argument("--path", default="decode", help="kernel path, as in nmcli bench kernels --path")
+    parser.add_argument("--rows", type=int, action="append", help="activation rows (repeatable; default 1)")
+    parser.add_argument("--nm", action="append", help="N:M patterns (repeatable; default 2:8 and 2:4)")
+    args = parser.parse_args()
+    builds = {"new": installed}
+    for spec in args.builds:
+        name, so_path = spec.split("=", 1)
+        builds[name] = load_build(name, so_path)
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    rng = np.random.default_rng(0)
+    print(torch.cuda.get_device_name(0))
+    for k, n in SHAPES:
+        for nm in args.nm or ["2:8", "2:4"]:
+            pattern = NMPattern.parse(nm)
+            w = rng.standard_normal((k, n)).astype(np.float32)
+            packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
+            values = torch.from_numpy(packed.values).to("cuda", torch.float16)
+            indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
+            for m in args.rows or [1]:
+                point = Point(m, k, n, pattern, values, indices, l2_bytes)
+                runs = {name: [] for name in builds}
+                for _ in range(ROUNDS):
+                    for name, module in builds.items():
+                        runs[name].append(point.time_us(module, args.path))
+                del point
+                moved = packed.values.size * 2 + packed.indices.size * 4 + (m * k + m * n) * 2
+                cells = []
+                for name, times in runs.items():
+                    us = float(np.median(times))
+                    cells.append(f"{name} {us:6.2f} us ({moved / us / 1e3:4.0f} GB/s; "
+                                 f"{'/'.join(f'{t:.2f}' for t in times)})")
+                print(f"{m:3d} {k:5d}x{n:<5d} {nm} " + "  ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
