@@ -23,7 +23,10 @@ def packed_random(rng, k, nout, pattern, dtype):
 @pytest.mark.parametrize("x_shape,k,nout", [((1, 64), 64, 1), ((5, 100), 100, 33), ((2, 3, 71), 71, 17),
                                             ((2, 2, 3, 256), 256, 64), ((33,), 33, 9),
                                             # row tiles of 4, 16 and 32 (the last one partial)
-                                            ((3, 40), 40, 7), ((2, 7, 48), 48, 20), ((70, 96), 96, 40)])
+                                            ((3, 40), 40, 7), ((2, 7, 48), 48, 20), ((70, 96), 96, 40),
+                                            # one row: chunks of 8 entries, a partial last group,
+                                            # a last chunk read from its two index words
+                                            ((1, 1000), 1000, 37), ((1, 4099), 4099, 20), ((1, 1, 512), 512, 12)])
 def test_matches_reference(rng, n, m, dtype, x_shape, k, nout):
     if k < m:
         pytest.skip("K < M is never pruned")
@@ -88,8 +91,9 @@ def test_fused_neighbours_reject_bad_inputs(rng):
 
 
 def test_baseline_vectors_match_reference(tmp_path):
-    """NMCLI_CPU_BASELINE=1 keeps the 4-lane row-tile code on CPUs with AVX2 too; it must agree
-    with the reference as the default path does (own process: the choice is made once)."""
+    """NMCLI_CPU_BASELINE=1 keeps the portable code (4-lane row tiles, the decoded 1-row dot) on
+    CPUs with AVX2 too; it must agree with the reference as the default path does (own process:
+    the choice is made once)."""
     script = """
 import numpy as np
 from nmcli import _kernels
@@ -97,7 +101,8 @@ from nmcli.format import NMPattern, pack, unpack
 from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio
 rng = np.random.default_rng(7)
-for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64, 9, (2, 4)), (70, 96, 40, (4, 16))]:
+for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64, 9, (2, 4)), (70, 96, 40, (4, 16)),
+                              (1, 1000, 37, (2, 8)), (1, 4099, 20, (4, 16))]:
     for dtype in (np.float32, np.float16):
         w = rng.standard_normal((k, nout)).astype(dtype)
         packed = pack(w, choose_offsets(np.abs(w), NMPattern(n, m)), NMPattern(n, m))
