@@ -289,7 +289,10 @@ bool NMMatMulCpu<T>::dot_one_row(const T* vrow, const uint32_t* irow, float* out
 #ifdef NMCLI_CPU_X86
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, half_t>) {
     Chunks g;
-    if (has_avx2_fma() && Chunks::make(args_.shape, &g)) return *out = dot_avx2(g, args_.shape, vrow, irow, x32_), true;
+    if (has_avx2_fma() && Chunks::make(args_.shape, &g)) {
+      *out = dot_avx2(g, args_.shape, vrow, irow, x32_);
+      return true;
+    }
   }
 #endif
   (void)vrow, (void)irow, (void)out;

@@ -316,6 +316,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
         // constant d << kRowShift: one shift and one LOP3 per entry move its offset field into
         // place (the sum as written took five integer instructions per entry, BENCHMARKS.md
         // session 16).
+        static_assert((Layout::kRun & (Layout::kRun - 1)) == 0, "the OR needs a power-of-two run");
         constexpr int kRowShift = 5 + ilog2(R * static_cast<int>(sizeof(S)));
         const uint32_t base = static_cast<uint32_t>(Layout::run_slot(static_cast<unsigned>(e0) / VEC)) << (kRowShift - 5);
         const unsigned char* xs_bytes = reinterpret_cast<const unsigned char*>(xs);
@@ -377,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
       if (staged) {
         __syncthreads();  // every warp is done with the previous chunk
       } else {
-        // The weights are constants, so the first two steps' loads were issued before this
+        // The weights are constants, so the first kDepth steps' loads were issued before this
         // point; the activations (and every write) wait for the kernel that produced them.
         wait_for_previous_kernel();
         allow_next_kernel();
