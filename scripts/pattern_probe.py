@@ -14,6 +14,7 @@ import itertools
 
 import cupy as cp
 import numpy as np
+from read_probe import ROTATION_BYTES, graph_us  # same chain over buffer sets, same median
 
 SRC = r"""
 struct Step { int tile, j; };
@@ -87,32 +88,11 @@ extern "C" __global__ void __launch_bounds__(1024, 1) rows_read(const uint4* __r
   }
 }
 """
-ROTATION_BYTES = 400 << 20
-CHAIN, REPLAYS = 8, 15
 # (warps per row, vectors per lane, offsets loaded, shift deferred)
 DEFAULT_VARIANTS = [(1, 2, 1, 0), (1, 2, 1, 1), (1, 2, 0, 0), (1, 4, 1, 1), (2, 2, 1, 1)]
 ALL_VARIANTS = [(w, u, o, d) for w, u, o, d in itertools.product((1, 2, 4), (2, 4), (1, 0), (0, 1)) if o or not d]
 # (Nout, K): LLaMA-7B/8B projections and the fused gate/up width
 SHAPES = ["4096x4096", "11008x4096", "4096x11008", "14336x4096", "4096x14336", "28672x4096"]
-
-
-def graph_us(launch, sets, stream):
-    with stream:
-        stream.begin_capture()
-        for j in range(CHAIN * sets):
-            launch(j % sets)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(REPLAYS):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(stream)
-            graph.launch(stream)
-            b.record(stream)
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / (CHAIN * sets))
-    return float(np.median(times))
 
 
 def main():

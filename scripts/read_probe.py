@@ -39,15 +39,13 @@ ROTATION_BYTES = 400 << 20  # well past the H100's 50 MB L2
 THREADS, CHAIN, REPLAYS = 1024, 8, 15
 
 
-def time_read(kernel, nbytes: int, blocks: int, stream, sink) -> float:
-    """Median microseconds of one read of `nbytes` by `blocks` blocks."""
-    nvec = nbytes // 16
-    sets = max(2, -(-ROTATION_BYTES // nbytes))
-    buffers = [cp.random.randint(0, 2**31, size=nvec * 4, dtype=cp.int32) for _ in range(sets)]
+def graph_us(launch, sets: int, stream) -> float:
+    """Median microseconds per launch of a graph that chains launch(j % sets) CHAIN * sets times
+    (one launch per buffer set, the sets together past L2); also used by pattern_probe.py."""
     with stream:
         stream.begin_capture()
         for j in range(CHAIN * sets):
-            kernel((blocks,), (THREADS,), (buffers[j % sets], np.int64(nvec), sink))
+            launch(j % sets)
         graph = stream.end_capture()
         graph.launch(stream)  # warm-up
         stream.synchronize()
@@ -60,6 +58,14 @@ def time_read(kernel, nbytes: int, blocks: int, stream, sink) -> float:
             stop.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / (CHAIN * sets))
     return float(np.median(times))
+
+
+def time_read(kernel, nbytes: int, blocks: int, stream, sink) -> float:
+    """Median microseconds of one read of `nbytes` by `blocks` blocks."""
+    nvec = nbytes // 16
+    sets = max(2, -(-ROTATION_BYTES // nbytes))
+    buffers = [cp.random.randint(0, 2**31, size=nvec * 4, dtype=cp.int32) for _ in range(sets)]
+    return graph_us(lambda j: kernel((blocks,), (THREADS,), (buffers[j], np.int64(nvec), sink)), sets, stream)
 
 
 def main() -> None:

@@ -218,6 +218,16 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void chunk_entrie
   }
 }
 
+// The entries after the last whole chunk (the rest of the full groups, the partial last group),
+// one at a time: f(k, value) for each at k < K.
+template <typename T, typename F>
+inline void for_each_tail_entry(const Chunks& g, const NMShape& s, const T* vrow, const uint32_t* irow, F&& f) {
+  for (int64_t j = g.count * 8; j < s.stored(); ++j) {
+    const int64_t k = j / s.n * s.m + read_offset(irow, j, s.bits);
+    if (k < s.k) f(k, to_float(vrow[j]));
+  }
+}
+
 // One activation row: decoded and multiplied in one pass, X gathered (2.4-3.3x the decode-then-
 // multiply loop on a Zen 5 core, BENCHMARKS.md session 16).
 template <typename T>
@@ -235,10 +245,7 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const Chunks& g, const N
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
   float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  for (int64_t j = g.count * 8; j < s.stored(); ++j) {
-    const int64_t k = j / s.n * s.m + read_offset(irow, j, s.bits);
-    if (k < s.k) sum += to_float(vrow[j]) * x[k];
-  }
+  for_each_tail_entry(g, s, vrow, irow, [&](int64_t k, float v) { sum += v * x[k]; });
   return sum;
 }
 
@@ -255,10 +262,10 @@ __attribute__((target("avx2,fma,f16c"))) int64_t decode_avx2(const Chunks& g, co
     _mm256_storeu_ps(val + c * 8, values);
   }
   int64_t live = g.count * 8;
-  for (int64_t j = live; j < s.stored(); ++j) {
-    const int64_t k = j / s.n * s.m + read_offset(irow, j, s.bits);
-    if (k < s.k) pos[live] = static_cast<int32_t>(k), val[live] = to_float(vrow[j]), ++live;
-  }
+  for_each_tail_entry(g, s, vrow, irow, [&](int64_t k, float v) {
+    pos[live] = static_cast<int32_t>(k);
+    val[live++] = v;
+  });
   return live;
 }
 #endif
@@ -280,35 +287,49 @@ void tile_sums(int rows_per_tile, const int32_t* pos, const float* val, int64_t 
   }
 }
 
-}  // namespace
-
-// The AVX2 decoders where the CPU and the pattern allow them (fp32 and fp16 weights; bf16 keeps
-// the portable code).
+// How a column's entries are read, chosen once per block of columns: 8 at a time (AVX2 chunks)
+// where the CPU has AVX2, FMA and F16C, the weights are fp32 or fp16 (bf16 keeps the portable
+// code) and Chunks covers the pattern; one at a time otherwise.
 template <typename T>
-bool NMMatMulCpu<T>::dot_one_row(const T* vrow, const uint32_t* irow, float* out) const {
+class ColumnDecoder {
+ public:
+  explicit ColumnDecoder(const NMShape& s) : s_(s) {
 #ifdef NMCLI_CPU_X86
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, half_t>) {
-    Chunks g;
-    if (has_avx2_fma() && Chunks::make(args_.shape, &g)) {
-      *out = dot_avx2(g, args_.shape, vrow, irow, x32_);
-      return true;
+    if constexpr (kVectorTypes) chunked_ = has_avx2_fma() && Chunks::make(s, &chunks_);
+#endif
+  }
+
+  // The column's (position, fp32 value) pairs at positions below K; returns their count.
+  int64_t decode(const T* vrow, const uint32_t* irow, int32_t* pos, float* val) const {
+#ifdef NMCLI_CPU_X86
+    if constexpr (kVectorTypes) {
+      if (chunked_) return decode_avx2(chunks_, s_, vrow, irow, pos, val);
     }
-  }
 #endif
-  (void)vrow, (void)irow, (void)out;
-  return false;
-}
+    return decode_column(s_, vrow, irow, pos, val);
+  }
 
-template <typename T>
-int64_t NMMatMulCpu<T>::decode(const T* vrow, const uint32_t* irow, int32_t* pos, float* val) const {
+  // One activation row: the sum of value * x[position]; pos and val are scratch for the
+  // one-at-a-time path.
+  float dot(const T* vrow, const uint32_t* irow, const float* x, int32_t* pos, float* val) const {
 #ifdef NMCLI_CPU_X86
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, half_t>) {
-    Chunks g;
-    if (has_avx2_fma() && Chunks::make(args_.shape, &g)) return decode_avx2(g, args_.shape, vrow, irow, pos, val);
-  }
+    if constexpr (kVectorTypes) {
+      if (chunked_) return dot_avx2(chunks_, s_, vrow, irow, x);
+    }
 #endif
-  return decode_column(args_.shape, vrow, irow, pos, val);
-}
+    return dot_decoded(pos, val, decode_column(s_, vrow, irow, pos, val), x);
+  }
+
+ private:
+  static constexpr bool kVectorTypes = std::is_same_v<T, float> || std::is_same_v<T, half_t>;
+  const NMShape& s_;
+#ifdef NMCLI_CPU_X86
+  bool chunked_ = false;
+  Chunks chunks_;
+#endif
+};
+
+}  // namespace
 
 template <typename T>
 void NMMatMulCpu<T>::compute_block(int64_t block) const {
@@ -319,6 +340,7 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
   std::vector<int32_t> pos(static_cast<size_t>(s.stored()));
   std::vector<float> val(static_cast<size_t>(s.stored()));
   float sums[32];
+  const ColumnDecoder<T> decoder(s);
 
   for (int64_t col = col_begin; col < col_end; ++col) {
     const T* vrow = args_.values + col * s.row_len;
@@ -328,16 +350,12 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
     // The residual of output (r, col), read where the row is written.
     auto residual = [&](int64_t r) { return args_.residual ? to_float(args_.residual[r * s.nout + col]) : 0.0f; };
     if (rows == 1) {
-      float a = 0;
-      if (!dot_one_row(vrow, irow, &a)) {
-        const int64_t live = decode_column(s, vrow, irow, pos.data(), val.data());
-        a = dot_decoded(pos.data(), val.data(), live, x32_);
-      }
-      y[0] = from_float<T>(args_.alpha * a + bias + residual(0));
+      const float sum = decoder.dot(vrow, irow, x32_, pos.data(), val.data());
+      y[0] = from_float<T>(args_.alpha * sum + bias + residual(0));
       continue;
     }
     // Decode the column once; every activation row reuses it.
-    const int64_t live = decode(vrow, irow, pos.data(), val.data());
+    const int64_t live = decoder.decode(vrow, irow, pos.data(), val.data());
     for (int64_t r0 = 0; r0 < rows; r0 += tile_rows_) {
       tile_sums(tile_rows_, pos.data(), val.data(), live, tiles_ + r0 * K, sums);
       for (int64_t r = r0; r < std::min(rows, r0 + tile_rows_); ++r)

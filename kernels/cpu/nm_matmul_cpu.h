@@ -44,8 +44,6 @@ class NMMatMulCpu {
 
  private:
   void build_tiles();
-  bool dot_one_row(const T* vrow, const uint32_t* irow, float* out) const;
-  int64_t decode(const T* vrow, const uint32_t* irow, int32_t* pos, float* val) const;
 
   NMMatMulArgs<T> args_;
   const float* x32_ = nullptr;    // activations A as fp32 [rows, K]
