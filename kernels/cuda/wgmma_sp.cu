@@ -19,6 +19,8 @@
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
+#include <cuda.h>  // CUtensorMap; the encoder comes from the driver at run time (no libcuda link)
+
 #include <algorithm>
 #include <type_traits>
 
@@ -34,69 +36,34 @@ using sm90::kTileW;
 constexpr int kStored = kBK / 2;        // stored values per weight row per step
 constexpr int kMetaWords = kBK / 32;    // offset words per weight row per step (one per MMA)
 
+// A 2:4 step in shared memory: the activation tile [kRows x 64] (128-byte swizzle), the stored
+// values [128 x 32] (64-byte swizzle) and the offset words [128 x 2]; a ring of kStages steps,
+// then one "full" and one "empty" barrier per stage.
 template <int kRows>
 struct SpLayout {
-  static constexpr size_t kX = static_cast<size_t>(kRows) * 128;    // activation tile, 128-byte swizzle
-  static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;  // stored values, 64-byte swizzle
+  static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
+  static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
   static constexpr size_t kMeta = static_cast<size_t>(kTileW) * kMetaWords * 4;
-  static constexpr size_t kStage = (kX + kA + kMeta + 1023) / 1024 * 1024;
-  static constexpr int kFit = static_cast<int>(216 * 1024 / kStage);  // stages that fit in 216 KB
-  // Groups of steps in the ring (see the kernel): 3 where 3 groups of 4 steps fit (the 64-row
-  // tile), so the copies of two groups are in flight while one computes; else 2.
-  static constexpr int kRingGroups = kFit >= 12 ? 3 : 2;
-  // Steps per group: as many as fit, at most 4.
-  static constexpr int kGroup = std::min<int>(4, kFit / kRingGroups);
-  static constexpr int kStages = kRingGroups * kGroup;
-  static constexpr size_t kBytes = kStages * kStage + 1024;  // + slack to align the ring
-  static_assert(kGroup >= 2, "a group of steps in the MMAs while the next group's copies fly");
-  static_assert(kThreads * kRows / 2 * 4 <= kStages * kStage, "reduce_split's scratch fits in the ring");
+  static constexpr size_t kStage = (kX + kA + kMeta + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
+  // Steps whose MMAs a warpgroup issues between two waits (see the kernel): 4, or 2 for the
+  // 256-row tile, whose stages are large enough that 4 would leave the ring too few to copy into.
+  static constexpr int kGroup = kRows == 256 ? 2 : 4;
+  static constexpr int kStages = static_cast<int>(216 * 1024 / kStage) / kGroup * kGroup;
+  static constexpr size_t kBarriers = kStages * kStage;
+  static constexpr size_t kBytes = kBarriers + 2 * kStages * 8 + 1024;  // + slack to align the ring
+  static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + kA);  // what the tensor copies bring per stage
+  static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group's copies fly");
+  static_assert(kThreads * kRows / 2 * 4 <= kBarriers, "reduce_split's scratch fits in the ring");
 };
 
-// Copies a step's activation tile, stored-value tile and offset words into its stage.
-template <typename T, int kRows>
-struct SpStepLoader {
-  using L = SpLayout<kRows>;
-  static constexpr int kChunksPerRow = kStored * 2 / 16;                 // 16-byte chunks of values
-  static constexpr int kV = kTileW * kChunksPerRow / kThreads;
-  static_assert(kTileW * kChunksPerRow % kThreads == 0 && kTileW <= kThreads, "whole chunks per thread");
-
-  sm90::ActivationLoader<T, kRows> x;
-  const T* v[kV];
-  uint32_t v_dst[kV];
-  bool v_ok[kV];
-  const uint32_t* meta;    // the offset words of this thread's row (threads < kTileW)
-  uint32_t meta_dst;
-  bool meta_ok;
-
-  __device__ __forceinline__ SpStepLoader(const PathParams<T>& p, int64_t w0, int64_t r0) : x(p, r0) {
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      const int i = tid + j * kThreads, row = i / kChunksPerRow, c = i % kChunksPerRow;
-      v_ok[j] = w0 + row < p.nout;
-      v[j] = p.values + (v_ok[j] ? (w0 + row) * p.row_len + c * 8 : 0);
-      v_dst[j] = static_cast<uint32_t>(L::kX) + row * kStored * 2 + ((c ^ ((row >> 1) & 3)) << 4);
-    }
-    meta_ok = tid < kTileW && w0 + tid < p.nout;
-    meta = p.indices + (meta_ok ? (w0 + tid) * p.index_words : 0);
-    meta_dst = static_cast<uint32_t>(L::kX + L::kA) + tid * kMetaWords * 4;
-  }
-
-  // Step t's entries [t * kStored, (t + 1) * kStored) lie either inside every row or, for the
-  // steps that round the last group up, past its end (the row length is a multiple of 32):
-  // those steps are zeros.
-  __device__ __forceinline__ void load(const PathParams<T>& p, uint32_t base, int t) const {
-    const bool in_row = static_cast<int64_t>(t) * kStored < p.row_len;
-    x.load(p, base, t);
-#pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      const bool ok = v_ok[j] && in_row;
-      sm90::cp_async16(base + v_dst[j], ok ? v[j] + t * kStored : p.values, ok);
-    }
-    const bool ok = meta_ok && in_row;
-    if (threadIdx.x < kTileW) sm90::cp_async8(base + meta_dst, ok ? meta + t * kMetaWords : p.indices, ok);
-  }
+// The 2:4 kernel's tensor maps (TMA descriptors, built on the host for each call): activation
+// tiles and stored-value tiles, in the swizzled layouts the wgmma descriptors read.
+struct SpMaps {
+  CUtensorMap x;
+  CUtensorMap values;
 };
+
+constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 kernel
 
 // Groups whose offsets read (0, 0) -- padding past the stored entries, rows past the end --
 // become (0, 1); every group of the format proper has a second offset >= 1 and stays as it is.
@@ -106,92 +73,143 @@ __device__ __forceinline__ uint32_t valid_metadata(uint32_t meta) {
   return meta | ((~any & 0x11111111u) << 2);
 }
 
+
+// One block computes a [128 weight rows x kRows activation rows] tile. Warps 0-7 (two
+// warpgroups, 64 weight rows each) only multiply; warp 8 only copies: per step one thread issues
+// two tensor copies (TMA: the activation tile and the stored values, zero-filled past every edge)
+// and the warp's 32 lanes copy the 128 rows' offset words with cp.async; all of it completes on
+// the stage's "full" barrier. The copies run up to kStages steps ahead, bounded only by the
+// "empty" barriers the consumer warps arrive on when their MMAs are done with a stage: no block
+// barrier in the loop, and the two warpgroups run apart, so one issues MMAs while the other waits
+// for its own. (Until session 17 every thread issued 5 cp.async per step with 64-bit address
+// arithmetic -- about 85 instructions per step -- and both warpgroups met at a block barrier per
+// group of steps: BENCHMARKS.md.)
+// wgmma reads its metadata register operand asynchronously, and ptxas serializes the MMAs (C7513)
+// when a metadata register is written while any MMA is in flight, so a warpgroup reads the
+// metadata of a whole group of kGroup steps, issues their MMAs back to back and waits for them
+// before the next group. Writing a step's metadata while the previous step's MMAs ran gave wrong
+// results with the 256-row tile, and two alternating sets made ptxas serialize the MMAs.
 template <typename T, int kRows>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_sp_kernel(PathParams<T> p) {
+__global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
+    wgmma_sp_kernel(PathParams<T> p, const __grid_constant__ SpMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = SpLayout<kRows>;
-  constexpr int S = L::kStages;
+  constexpr int S = L::kStages, G = L::kGroup;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, wg = warp >> 2;
+  const uint32_t ring = sm90::smem_addr(smem);
+  auto stage_at = [&](int s) { return ring + static_cast<uint32_t>(s * L::kStage); };
+  auto full = [&](int s) { return ring + static_cast<uint32_t>(L::kBarriers) + s * 8; };
+  auto empty = [&](int s) { return full(S) + s * 8; };
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool consumer = warp < kThreads / 32;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
-  constexpr int G = L::kGroup;
-  // Steps of kBK positions, rounded up to whole groups (the extra steps load zeros).
+  // Steps of kBK positions, rounded up to whole groups (the extra steps copy zeros).
   const int64_t steps = ((p.groups * 4 + kBK - 1) / kBK + G - 1) / G * G;
-  // This thread's rows: g and g + 8 of its warp's 16, in the block's tile.
-  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
-  // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
-  // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
-  const uint32_t halves = (lane & 1) ? 0x7632u : 0x5410u;
-  const SpStepLoader<T, kRows> loader(p, w0, r0);
+  int64_t begin64, end64;  // this block's steps (all of them unless K is split over a cluster)
+  sm90::split_steps<G>(steps, begin64, end64);
+  const int begin = static_cast<int>(begin64), end = static_cast<int>(end64);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      sm90::mbarrier_init(full(s), 1 + kProducerThreads);  // the expected bytes, then each lane's offset words
+      sm90::mbarrier_init(empty(s), kThreads / 32);        // every consumer warp
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
 
   float acc[kRows / 2];
 #pragma unroll
   for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
   sm90::fence_operands(acc);
 
-  // Steps run in groups of G, and the ring holds NG groups. wgmma reads its metadata register
-  // operand asynchronously and ptxas serializes the MMAs (C7513) when a metadata register is
-  // written while any MMA is in flight, so a group starts with no MMA in flight: it reads the
-  // metadata of all its G steps, then issues their MMAs back to back and waits for them at the
-  // end. Its stages were copied during the NG - 1 groups before it; each group's copies are one
-  // commit group, issued into the stages of the group that just finished. With few activation
-  // rows a group computes for less than a memory latency, so with NG = 2 every group waited for
-  // its copies; the 64-row tile's ring holds 3 groups (BENCHMARKS.md, session 13).
-  // At 17-64 rows the loop's instructions show in its time (Nsight at 17 x 4096 x 4096: 2 warps
-  // per scheduler, issue slots busy 41% of the SM's active cycles, DRAM at 23%): stages come from
-  // the 32-bit group index (sm90::ring_stage), not from a 64-bit t % S, and a group's descriptors
-  // are its first stage's plus constants (3-11% faster at 17-64 rows, BENCHMARKS.md session 15).
-  constexpr int NG = L::kRingGroups;
-  static_assert(S == NG * G, "the ring holds NG groups of G stages");
-  int64_t begin, end64;  // this block's steps (all of them unless K is split over a cluster)
-  sm90::split_steps<G>(steps, begin, end64);
-  const int end = static_cast<int>(end64);
-  const int first = static_cast<int>(begin / G), last = static_cast<int>(end64 / G);  // this block's groups
-  const uint32_t ring = sm90::smem_addr(smem);
-  auto load_group = [&](int k) {
-    const uint32_t stages = ring + sm90::ring_stage<NG, G>(k) * static_cast<uint32_t>(L::kStage);
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-      if (k * G + g < end) loader.load(p, stages + g * static_cast<uint32_t>(L::kStage), k * G + g);
-    sm90::cp_async_commit();  // one commit group per group of steps, empty past the end
-  };
-#pragma unroll
-  for (int j = 0; j < NG - 1; ++j) load_group(first + j);
-  for (int k = first; k < last; ++k) {
-    sm90::cp_async_wait<NG - 2>();  // this thread's copies of group k's steps landed
-    sm90::fence_async_proxy();
-    __syncthreads();  // ... every thread's; no MMA reads an earlier group any more
-    load_group(k + NG - 1);
-
-    const int slot = sm90::ring_stage<NG, G>(k);
-    const uint8_t* stages = smem + slot * L::kStage;  // the group's G stages, one after another
-    uint32_t meta[G][kMetaWords];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(stages + g * L::kStage + L::kX + L::kA);
-#pragma unroll
-      for (int s = 0; s < kMetaWords; ++s)
-        meta[g][s] = valid_metadata(__byte_perm(words[row * kMetaWords + s], words[(row + 8) * kMetaWords + s], halves));
+  if (!consumer) {
+    // Stage s is refilled for the n-th time once the consumers released its (n-1)-th use: the
+    // wait on parity (n & 1) ^ 1 passes at once for n = 0.
+    if (lane == 0) {
+      sm90::tma_prefetch_map(&maps.x);
+      sm90::tma_prefetch_map(&maps.values);
     }
-    const uint32_t xs = ring + slot * static_cast<uint32_t>(L::kStage);
-    const uint64_t x_desc = sm90::sw128_desc(xs);
-    const uint64_t a_desc = sm90::sw64_desc(xs + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2);
-    sm90::fence_operands(acc);
-    sm90::wgmma_fence();
+    constexpr int kMetaRows = kTileW / 32;  // weight rows whose offset words each lane copies
+    const uint32_t* meta[kMetaRows];
+    bool meta_ok[kMetaRows];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-      for (int s = 0; s < kMetaWords; ++s)
-        sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kStage + s * 32),
-                                     sm90::desc_plus(x_desc, g * L::kStage + s * 64), meta[g][s]);
+    for (int j = 0; j < kMetaRows; ++j) {
+      const int64_t w = w0 + lane + 32 * j;
+      meta_ok[j] = w < p.nout;
+      meta[j] = p.indices + (meta_ok[j] ? w * p.index_words : 0);
     }
-    sm90::wgmma_commit();
-    sm90::fence_operands(acc);
-    sm90::wgmma_wait<0>();
+    int s = 0;
+    uint32_t phase = 0;
+    for (int t = begin; t < end; ++t) {
+      sm90::mbarrier_wait(empty(s), phase ^ 1);
+      const uint32_t stage = stage_at(s);
+      if (lane == 0) {
+        sm90::mbarrier_arrive_expect_tx(full(s), L::kTensorBytes);
+        sm90::tma_load_2d(stage, &maps.x, t * kBK, static_cast<int>(r0), full(s));
+        sm90::tma_load_2d(stage + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0), full(s));
+      }
+      // Steps past a row's stored entries (the rounding up to whole groups) read zeros.
+      const bool in_row = static_cast<int64_t>(t) * kMetaWords < p.index_words;
+#pragma unroll
+      for (int j = 0; j < kMetaRows; ++j) {
+        const bool ok = meta_ok[j] && in_row;
+        sm90::cp_async8(stage + static_cast<uint32_t>(L::kX + L::kA) + (lane + 32 * j) * kMetaWords * 4,
+                        ok ? meta[j] + t * kMetaWords : p.indices, ok);
+      }
+      sm90::cp_async_arrive(full(s));
+      if (++s == S) s = 0, phase ^= 1;
+    }
+  } else {
+    const int wg = warp >> 2;
+    // This thread's rows: g and g + 8 of its warp's 16, in the block's tile.
+    const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+    // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
+    // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
+    const uint32_t halves = (lane & 1) ? 0x7632u : 0x5410u;
+    int s = 0;  // the group's first stage: groups never wrap around the ring (S is a multiple of G)
+    uint32_t phase = 0;
+    for (int t = begin; t < end; t += G) {
+      uint32_t meta[G][kMetaWords];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        sm90::mbarrier_wait(full(s + g), phase);
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + (s + g) * L::kStage + L::kX + L::kA);
+#pragma unroll
+        for (int k = 0; k < kMetaWords; ++k)
+          meta[g][k] = valid_metadata(__byte_perm(words[row * kMetaWords + k], words[(row + 8) * kMetaWords + k], halves));
+      }
+      const uint32_t xs = stage_at(s);
+      const uint64_t x_desc = sm90::sw128_desc(xs);
+      const uint64_t a_desc = sm90::sw64_desc(xs + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2);
+      sm90::fence_operands(acc);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int k = 0; k < kMetaWords; ++k)
+          sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kStage + k * 32),
+                                       sm90::desc_plus(x_desc, g * L::kStage + k * 64), meta[g][k]);
+      }
+      sm90::wgmma_commit();
+      sm90::fence_operands(acc);
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(acc);
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) sm90::mbarrier_arrive(empty(s + g));
+      }
+      s += G;
+      if (s == S) s = 0, phase ^= 1;
+    }
   }
-  if (sm90::reduce_split(acc, smem)) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
+  if (sm90::reduce_split(acc, smem, consumer) && consumer) {
+    const int wg = warp >> 2;
+    sm90::store_tile<T, kRows>(p, acc, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
+  }
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -422,6 +440,49 @@ constexpr auto with_sp_family = [](int n, int m, auto&& fn) {
   return sm90::with_family_of<family_code(2, 4), family_code(1, 4), family_code(2, 8), family_code(1, 8)>(n, m, fn);
 };
 
+// cuTensorMapEncodeTiled from the driver, looked up once (the op library links only the static
+// CUDA runtime); null when the driver lacks it.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return static_cast<EncodeTiled>(nullptr);
+    return reinterpret_cast<EncodeTiled>(fn);
+  }();
+  return encode;
+}
+
+// A tensor map over `rows` rows of `cols` 16-bit elements (`stride` elements apart) whose boxes
+// of [box_rows x box_cols] land in shared memory with `swizzle`; out-of-bounds elements read as
+// zeros. False where the driver refuses it (e.g. a base address not 16-byte aligned).
+bool tile_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t stride, int box_cols, int box_rows,
+              CUtensorMapSwizzle swizzle) {
+  const EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t unit[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides, box, unit,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int kRows>
+cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int splits) {
+  SpMaps maps;
+  if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
+      !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B))
+    return cudaErrorInvalidValue;
+  return sm90::launch_tiles<wgmma_sp_kernel<T, kRows>, kRows, SpLayout<kRows>::kBytes, kThreads + kProducerThreads>(
+      p, stream, splits, maps);
+}
+
 }  // namespace
 
 bool wgmma_sp_family(int n, int m) {
@@ -434,7 +495,7 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
     const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
     return sm90::launch_split(p, steps, [&](auto rows, int splits) {
       if constexpr (kN() == 2 && kM() == 4)
-        return sm90::launch_tiles<wgmma_sp_kernel<T, rows()>, rows(), SpLayout<rows()>::kBytes>(p, stream, splits);
+        return launch_two_of_four<T, rows()>(p, stream, splits);
       else
         return sm90::launch_tiles<wgmma_regroup_kernel<T, kN(), kM(), rows()>, rows(),
                                   RegroupLayout<kN(), kM(), rows()>::kBytes>(p, stream, splits);

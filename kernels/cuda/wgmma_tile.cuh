@@ -183,9 +183,11 @@ __device__ __forceinline__ void split_steps(int64_t steps, int64_t& begin, int64
 
 // With K split over a cluster: every block puts its accumulators into its own shared memory
 // (`scratch`, kThreads * kCount floats, free once the main loop is done) and block 0 adds its
-// peers' through distributed shared memory. Returns whether this block stores the tile.
+// peers' through distributed shared memory. Returns whether this block stores the tile. Threads
+// that hold no accumulators (`holds` false: a producer warp past the kThreads consumers) take
+// part in the barriers only.
 template <int kCount>
-__device__ __forceinline__ bool reduce_split(float (&acc)[kCount], uint8_t* scratch) {
+__device__ __forceinline__ bool reduce_split(float (&acc)[kCount], uint8_t* scratch, bool holds = true) {
   if (gridDim.z == 1) return true;
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -193,12 +195,12 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[kCount], uint8_t* scra
   cp_async_wait<0>();
   __syncthreads();  // nobody reads the stage ring any more
   const unsigned rank = cluster.block_rank();
-  if (rank != 0) {
+  if (rank != 0 && holds) {
 #pragma unroll
     for (int i = 0; i < kCount; ++i) mine[i * kThreads + threadIdx.x] = acc[i];
   }
   cluster.sync();  // the partial tiles are written
-  if (rank == 0) {
+  if (rank == 0 && holds) {
     for (unsigned r = 1; r < cluster.num_blocks(); ++r) {
       const float* peer = cluster.map_shared_rank(mine, r);
 #pragma unroll
@@ -211,17 +213,18 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[kCount], uint8_t* scra
 
 // Launches a warpgroup kernel with kRows-row activation tiles and kSmem bytes of dynamic shared
 // memory: weight tiles along x, activation tiles along y, and `splits` blocks of a cluster along
-// z splitting K (the kernel then calls split_steps and reduce_split).
-template <auto kKernel, int kRows, size_t kSmem, typename T>
-cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream, int splits = 1) {
+// z splitting K (the kernel then calls split_steps and reduce_split). The kernel takes p and then
+// `extra` (kBlockThreads: the kThreads consumers plus any producer warps).
+template <auto kKernel, int kRows, size_t kSmem, unsigned kBlockThreads = kThreads, typename T, typename... Extra>
+cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream, int splits, const Extra&... extra) {
   static_assert(kSmem <= 227 * 1024, "shared memory per block");
   if (cudaError_t e = allow_dynamic_smem<kKernel>(static_cast<int>(kSmem)); e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW), static_cast<unsigned>((p.rows + kRows - 1) / kRows));
   if (splits == 1) {
-    kKernel<<<grid, kThreads, kSmem, stream>>>(p);
+    kKernel<<<grid, kBlockThreads, kSmem, stream>>>(p, extra...);
     return cudaGetLastError();
   }
-  return launch_split_k(kKernel, grid, kThreads, kSmem, stream, splits, p);
+  return launch_split_k(kKernel, grid, kBlockThreads, kSmem, stream, splits, p, extra...);
 }
 
 }  // namespace sm90
