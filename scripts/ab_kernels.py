@@ -10,6 +10,11 @@ magnitude-pruned from normal data. Needs torch and a GPU.
 
     git archive HEAD | tar -x -C /tmp/head && (cd /tmp/head && pip install --no-deps --target /tmp/old .)
     python scripts/ab_kernels.py --path decode --rows 1 --rows 4 old=$(ls /tmp/old/nmcli/_kernels*.so)
+
+Make the base's tree where the commits are: on the lent GPU machine the working tree travels but
+its git repository stays as it was when the session started, so `git archive HEAD` there gives the
+session's first commit, not the last one (BENCHMARKS.md, session 17). Archive the base on this
+machine into a folder that travels with the tree and build that one there.
 """
 import argparse
 import importlib.util

@@ -7,15 +7,18 @@
 // (docs/FORMAT.md) is exactly the instruction's A operand, 2 stored values per group of 4 in
 // order, and one 32-bit word of its offsets is exactly the metadata of one row for 32 K
 // positions (two 2-bit offsets per group, the first in the low bits). So a step copies the
-// packed values straight into a 64-byte-swizzled shared-memory tile and the offset words next to
-// them; each thread then picks the halves of two offset words that the instruction wants from
-// it (lanes 4g and 4g + 1 of a warp, rows g and g + 8; wgmma_ops.cuh) -- no expansion at all.
-// The activation tile, block shape and epilogue are the ones of wgmma.cu (wgmma_tile.cuh); the
-// steps run in groups so that metadata registers are only written with no MMA in flight (see
-// the kernel). Measured (BENCHMARKS.md, session 9): 1.68-1.85x the expanding kernel at 4096
-// rows on the LLaMA shapes, 0.71-0.82x cuBLAS dense there. Writing a step's metadata while the
-// previous step's MMAs ran gave wrong results with the 256-row tile, two alternating sets made
-// ptxas serialize the MMAs, and draining after every step cost 8-13% against the groups.
+// packed values straight into a 64-byte-swizzled shared-memory tile (one TMA tensor copy) and
+// the offset words next to them; each thread then picks the halves of two offset words that the
+// instruction wants from it (lanes 4g and 4g + 1 of a warp, rows g and g + 8; wgmma_ops.cuh) --
+// no expansion at all. The activation tile, block shape and epilogue are the ones of wgmma.cu
+// (wgmma_tile.cuh); the steps run in groups so that metadata registers are only written with no
+// MMA in flight (see the kernel). Measured (BENCHMARKS.md, session 17): 0.93-1.12x cuBLAS dense
+// at 4096 rows on the LLaMA shapes, 1.27-1.51x the kernel before it. Writing a step's metadata
+// while the previous step's MMAs ran gave wrong results with the 256-row tile, two alternating
+// sets made ptxas serialize the MMAs, and draining after every step cost 8-13% against the
+// groups. Measured and not kept (session 17): clusters of 2 weight tiles sharing one activation
+// tile by TMA multicast (a few % slower than unshared tiles; clusters of 4: 0.5-1.0x of 2), and
+// the regrouping kernel on the producer-warp structure (0.78-0.90x of its all-threads copies).
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
@@ -149,7 +152,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       if (lane == 0) {
         sm90::mbarrier_arrive_expect_tx(full(s), L::kTensorBytes);
         sm90::tma_load_2d(stage, &maps.x, t * kBK, static_cast<int>(r0), full(s));
-        sm90::tma_load_2d(stage + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0), full(s));
+        sm90::tma_load_2d(stage + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
+                          full(s));
       }
       // Steps past a row's stored entries (the rounding up to whole groups) read zeros.
       const bool in_row = static_cast<int64_t>(t) * kMetaWords < p.index_words;
@@ -179,7 +183,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
         const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + (s + g) * L::kStage + L::kX + L::kA);
 #pragma unroll
         for (int k = 0; k < kMetaWords; ++k)
-          meta[g][k] = valid_metadata(__byte_perm(words[row * kMetaWords + k], words[(row + 8) * kMetaWords + k], halves));
+          meta[g][k] =
+              valid_metadata(__byte_perm(words[row * kMetaWords + k], words[(row + 8) * kMetaWords + k], halves));
       }
       const uint32_t xs = stage_at(s);
       const uint64_t x_desc = sm90::sw128_desc(xs);
@@ -222,7 +227,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
 // offsets as metadata). The tensor cores then do the work of 2:4 -- half a dense tile -- and the
 // regrouping writes half the bytes the expanding kernel (wgmma.cu) writes for a dense tile.
 // Measured (BENCHMARKS.md, session 10): 1.35-1.9x the expanding kernel at 128-4096 rows on the
-// LLaMA shapes; 0.61-0.66x cuBLAS dense at 4096 rows for 2:8, against 0.72-0.82x for 2:4 as stored.
+// LLaMA shapes; 0.61-0.66x cuBLAS dense at 4096 rows for 2:8, against 0.72-0.82x for 2:4 as stored
+// then (0.93-1.12x since session 17).
 
 // A thread regroups one 16-position chunk (a 16-byte chunk of the 2:4 tile) of two rows per step.
 template <int kN, int kM>
@@ -334,10 +340,12 @@ struct RegroupLayout {
   static_assert(kThreads * kRows / 2 * 4 <= kTableOffset, "reduce_split's scratch fits in the rings");
 };
 
-// The loop of wgmma_sp_kernel with one more stage: group k's MMAs run while group k + 1 is
-// regrouped from its packed tiles (copied during group k - 1) and the packed tiles of group
-// k + 2 and the activation tiles of group k + 1 are copied. Metadata registers are again only
-// written with no MMA in flight: a group reads its words from shared memory first.
+// The loop wgmma_sp_kernel had until session 17 (every thread copies, one block barrier per
+// group of steps; on the producer-warp structure this kernel ran 0.78-0.90x as fast,
+// BENCHMARKS.md), with one more stage: group k's MMAs run while group k + 1 is regrouped from its
+// packed tiles (copied during group k - 1) and the packed tiles of group k + 2 and the
+// activation tiles of group k + 1 are copied. Metadata registers are again only written with no
+// MMA in flight: a group reads its words from shared memory first.
 template <typename T, int kN, int kM, int kRows>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -449,8 +457,9 @@ EncodeTiled encode_tiled() {
   static const EncodeTiled encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess)
       return static_cast<EncodeTiled>(nullptr);
     return reinterpret_cast<EncodeTiled>(fn);
   }();
@@ -460,8 +469,8 @@ EncodeTiled encode_tiled() {
 // A tensor map over `rows` rows of `cols` 16-bit elements (`stride` elements apart) whose boxes
 // of [box_rows x box_cols] land in shared memory with `swizzle`; out-of-bounds elements read as
 // zeros. False where the driver refuses it (e.g. a base address not 16-byte aligned).
-bool tile_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t stride, int box_cols, int box_rows,
-              CUtensorMapSwizzle swizzle) {
+bool tile_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t stride, int box_cols,
+              int box_rows, CUtensorMapSwizzle swizzle) {
   const EncodeTiled encode = encode_tiled();
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
