@@ -105,8 +105,10 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   auto stage_at = [&](int s) { return ring + static_cast<uint32_t>(s * L::kStage); };
   auto full = [&](int s) { return ring + static_cast<uint32_t>(L::kBarriers) + s * 8; };
   auto empty = [&](int s) { return full(S) + s * 8; };
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
+  // A consumer thread's rows: g and g + 8 of its warp's 16, in the block's tile.
+  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   // Steps of kBK positions, rounded up to whole groups (the extra steps copy zeros).
   const int64_t steps = ((p.groups * 4 + kBK - 1) / kBK + G - 1) / G * G;
@@ -167,9 +169,6 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       if (++s == S) s = 0, phase ^= 1;
     }
   } else {
-    const int wg = warp >> 2;
-    // This thread's rows: g and g + 8 of its warp's 16, in the block's tile.
-    const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
     // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
     // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
     const uint32_t halves = (lane & 1) ? 0x7632u : 0x5410u;
@@ -211,10 +210,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       if (s == S) s = 0, phase ^= 1;
     }
   }
-  if (sm90::reduce_split(acc, smem, consumer) && consumer) {
-    const int wg = warp >> 2;
-    sm90::store_tile<T, kRows>(p, acc, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
-  }
+  if (sm90::reduce_split(acc, smem, consumer) && consumer) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
