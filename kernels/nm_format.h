@@ -46,14 +46,20 @@ struct NMShape {
 
 inline bool valid_pattern(int n, int m) { return 1 <= n && n < m && m <= kMaxM; }
 
-// Offset of entry j in a row of index words: the B-bit field at bits [j*B, j*B+B).
-NM_HD uint32_t read_offset(const uint32_t* row_words, int64_t j, int bits) {
-  const int64_t bit = j * bits;
+// Bits [bit, bit + width) of a row of index words (width <= 32) in the low bits of the result;
+// the bits above them are whatever follows in the word read last, which is never one past the
+// field's own last word.
+NM_HD uint32_t read_bits(const uint32_t* row_words, int64_t bit, int width) {
   const int64_t word = bit >> 5;
   const int shift = static_cast<int>(bit & 31);
   uint64_t window = row_words[word];
-  if (shift + bits > 32) window |= static_cast<uint64_t>(row_words[word + 1]) << 32;
-  return static_cast<uint32_t>(window >> shift) & ((1u << bits) - 1u);
+  if (shift + width > 32) window |= static_cast<uint64_t>(row_words[word + 1]) << 32;
+  return static_cast<uint32_t>(window >> shift);
+}
+
+// Offset of entry j in a row of index words: the B-bit field at bits [j*B, j*B+B).
+NM_HD uint32_t read_offset(const uint32_t* row_words, int64_t j, int bits) {
+  return read_bits(row_words, j * bits, bits) & ((1u << bits) - 1u);
 }
 
 // The offsets of a row in entry order (0, 1, 2, ...) for readers that walk the whole row: the

@@ -199,12 +199,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void chunk_entrie
   uint32_t word;
   if (c < g.unaligned) {
     std::memcpy(&word, reinterpret_cast<const unsigned char*>(irow) + c * g.bits, sizeof(word));
-  } else {  // the row's last chunks: the two words their bits lie in
-    const int64_t bit = c * 8 * g.bits;
-    const int shift = static_cast<int>(bit & 31);
-    uint64_t window = irow[bit >> 5];
-    if (shift + 8 * g.bits > 32) window |= static_cast<uint64_t>(irow[(bit >> 5) + 1]) << 32;
-    word = static_cast<uint32_t>(window >> shift);
+  } else {  // the row's last chunks: from the words their bits lie in
+    word = read_bits(irow, c * 8 * g.bits, 8 * g.bits);
   }
   const __m256i offsets = _mm256_and_si256(
       _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_mullo_epi32(lane, _mm256_set1_epi32(g.bits))),
