@@ -1,20 +1,21 @@
 """Two or more builds of nmcli's kernels timed in one process: the installed `nmcli._kernels`
 ("new") against other builds' `_kernels*.so` files, on the same packed weights and buffers,
-alternating builds per point (BENCHMARKS.md, session 16). Calls between leases of the same GPU
-model differed by up to 10% in session 16, so a change is measured against its base here, not
-against an older table.
+alternating builds per point (BENCHMARKS.md, session 16). The same build differed by up to 10%
+between leases of the same GPU model (session 17, at 4096 rows), so a change is measured against
+its base here, not against an older table.
 
 Each point is bench_kernels' method: several weight sets past L2 rotated in one CUDA graph,
 median of 15 replays, three rounds per build (all printed, the median reported). fp16, weights
 magnitude-pruned from normal data. Needs torch and a GPU.
 
-    git archive HEAD | tar -x -C /tmp/head && (cd /tmp/head && pip install --no-deps --target /tmp/old .)
-    python scripts/ab_kernels.py --path decode --rows 1 --rows 4 old=$(ls /tmp/old/nmcli/_kernels*.so)
+Archive the base on the machine that has the commits, into a folder that travels with the tree
+(untracked and not ignored, or named in the device call's carry): on the lent GPU machine the working tree travels but its git repository stays as it was when the
+session started, so `git archive HEAD` there gives the session's first commit (BENCHMARKS.md,
+session 17).
 
-Make the base's tree where the commits are: on the lent GPU machine the working tree travels but
-its git repository stays as it was when the session started, so `git archive HEAD` there gives the
-session's first commit, not the last one (BENCHMARKS.md, session 17). Archive the base on this
-machine into a folder that travels with the tree and build that one there.
+    mkdir -p scratch/base && git archive <base> | tar -x -C scratch/base    # here; carry scratch
+    (cd scratch/base && pip install --no-deps --target /tmp/old .)          # on the GPU machine
+    python scripts/ab_kernels.py --path decode --rows 1 --rows 4 old=$(ls /tmp/old/nmcli/_kernels*.so)
 """
 import argparse
 import importlib.util

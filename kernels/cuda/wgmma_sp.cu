@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   const int64_t steps = ((p.groups * kM + kBK - 1) / kBK + G - 1) / G * G;  // whole groups of steps
   const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
-  // Step g of group k sits in stage ring_stage(k) + g of a ring of two groups (see wgmma_sp_kernel).
+  // Step g of group k sits in stage ring_stage(k) + g of a ring of two groups.
   static_assert(S == 2 * G, "two groups of stages");
   auto stage = [](int k, int g) { return sm90::ring_stage<2, G>(k) + g; };
   auto x_tile = [&](int k, int g) { return smem + stage(k, g) * L::kX; };
