@@ -17,8 +17,7 @@
 // while the previous step's MMAs ran gave wrong results with the 256-row tile, two alternating
 // sets made ptxas serialize the MMAs, and draining after every step cost 8-13% against the
 // groups. Measured and not kept (session 17): clusters of 2 weight tiles sharing one activation
-// tile by TMA multicast (a few % slower than unshared tiles; clusters of 4: 0.5-1.0x of 2), and
-// the regrouping kernel on the producer-warp structure (0.78-0.90x of its all-threads copies).
+// tile by TMA multicast (a few % slower than unshared tiles; clusters of 4: 0.5-1.0x of 2).
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
@@ -67,6 +66,13 @@ struct SpMaps {
 };
 
 constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 kernel
+// Threads that regroup the tiles of a 1:4, 2:8 or 1:8 kernel (BENCHMARKS.md, session 18): two
+// warps with the 256-row tile, whose MMAs need 168 registers (352 threads leave them that, 416
+// -- allocated as 512 -- only 128), and for 2:8, where a warpgroup ran 0.93-0.96x of the old
+// kernel at 64 rows against 0.99-1.04x; a warpgroup for 1:4 and 1:8 with 64- and 128-row tiles
+// (0.92-0.99x there, against 0.81-0.92x with two warps).
+template <int kN, int kRows>
+constexpr int kRegroupThreads = kRows == 256 || kN == 2 ? 64 : 128;
 
 // Groups whose offsets read (0, 0) -- padding past the stored entries, rows past the end --
 // become (0, 1); every group of the format proper has a second offset >= 1 and stays as it is.
@@ -223,10 +229,10 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
 // offsets as metadata). The tensor cores then do the work of 2:4 -- half a dense tile -- and the
 // regrouping writes half the bytes the expanding kernel (wgmma.cu) writes for a dense tile.
 // Measured (BENCHMARKS.md, session 10): 1.35-1.9x the expanding kernel at 128-4096 rows on the
-// LLaMA shapes; 0.61-0.66x cuBLAS dense at 4096 rows for 2:8, against 0.72-0.82x for 2:4 as stored
-// then (0.93-1.12x since session 17).
+// LLaMA shapes. Session 18 (regrouping warps of their own, below): 0.76-0.89x cuBLAS dense at 4096
+// rows for 2:8, against 0.93-1.12x for 2:4 as stored.
 
-// A thread regroups one 16-position chunk (a 16-byte chunk of the 2:4 tile) of two rows per step.
+// A chunk: one 16-position run (a 16-byte chunk of the 2:4 tile) of two rows of a step.
 template <int kN, int kM>
 struct Regroup {
   using F = sm90::Family<kN, kM>;
@@ -276,47 +282,78 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
   }
 }
 
-// Regroups this thread's part of step t: K positions 16q..16q+15 of block-tile rows `row` and
-// row + 8, from the packed tile into the 2:4 tile (64-byte swizzle, as SpStepLoader lays it out)
-// and their metadata word (row in bits 0-15, row + 8 in 16-31) into `meta`. Lanes 4g and 4g + 1
-// of the warp read the words of chunks 2s and 2s + 1 for MMA s (wgmma_ops.cuh).
-template <int kN, int kM>
-__device__ __forceinline__ void regroup_step(const uint8_t* packed, int64_t t, int row, int q, uint8_t* a_tile,
-                                             uint32_t* meta, const uint2* table) {
+// Regroups regrouping thread i's share of step t: the chunks that consumer threads
+// v = i + j * kRegroupThreads of the 256 would own -- K positions 16q..16q+15 (q = v % 4) of the
+// block-tile rows `row` and row + 8 of v's place in the MMA layout -- from the packed tile into
+// the 2:4 tile (64-byte swizzle) and v's metadata word (row in bits 0-15, row + 8 in 16-31) at
+// meta[v]: lanes 4g and 4g + 1 of a consumer warp read the words of chunks 2s and 2s + 1 for MMA
+// s (wgmma_ops.cuh). All reads come first, then the table lookups, then the writes: a store to
+// the tile that the compiler cannot tell from the next chunk's reads would serialise the chunks,
+// and a few regrouping warps have little else to hide that latency with.
+template <int kN, int kM, int kRegroupThreads>
+__device__ __forceinline__ void regroup_share(const uint8_t* packed, int64_t t, int i, uint8_t* a_tile,
+                                              uint32_t* meta, const uint2* table) {
   using R = Regroup<kN, kM>;
   using F = typename R::F;
-  const int bit = F::first_bit(t) + q * R::kChunkBits, word = bit >> 5, shift = bit & 31;
-  uint32_t metadata = 0;
+  constexpr int kPer = kThreads / kRegroupThreads;
+  int rows[kPer], qs[kPer];
+  uint32_t codes[kPer][2], values[kPer][2][2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row + 8 * h;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(packed + F::kValues) + r * F::kIndexWords;
-    // The chunk's offset bits never reach past the step's copied words (min keeps the read in them).
-    const uint32_t codes = __funnelshift_r(words[word], words[min(word + 1, F::kIndexWords - 1)], shift);
-    const uint8_t* values = packed + r * F::kValueBytes + q * R::kChunkEntries * 2;
-    uint32_t v[2];
-    if constexpr (R::kChunkEntries * 2 == 8) {
-      const uint2 u = *reinterpret_cast<const uint2*>(values);
-      v[0] = u.x, v[1] = u.y;
-    } else {
-      v[0] = *reinterpret_cast<const uint32_t*>(values), v[1] = 0;
+  for (int j = 0; j < kPer; ++j) {
+    const int v = i + j * kRegroupThreads, w = v >> 5, l = v & 31;
+    rows[j] = (w >> 2) * 64 + (w & 3) * 16 + (l >> 2);
+    qs[j] = l & 3;
+    const int bit = F::first_bit(t) + qs[j] * R::kChunkBits, word = bit >> 5, shift = bit & 31;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = rows[j] + 8 * h;
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(packed + F::kValues) + r * F::kIndexWords;
+      // The chunk's offset bits never reach past the step's copied words (min keeps the read in them).
+      codes[j][h] = __funnelshift_r(words[word], words[min(word + 1, F::kIndexWords - 1)], shift);
+      const uint8_t* stored = packed + r * F::kValueBytes + qs[j] * R::kChunkEntries * 2;
+      if constexpr (R::kChunkEntries * 2 == 8) {
+        const uint2 u = *reinterpret_cast<const uint2*>(stored);
+        values[j][h][0] = u.x, values[j][h][1] = u.y;
+      } else {
+        values[j][h][0] = *reinterpret_cast<const uint32_t*>(stored), values[j][h][1] = 0;
+      }
     }
-    uint32_t out[4], m16 = 0;
-#pragma unroll
-    for (int i = 0; i < R::kChunkGroups; ++i) {
-      const uint2 e = table[(codes >> (i * F::kGroupBits)) & (R::kCodes - 1)];
-      const uint32_t group = kN == 2 ? v[i] : v[i >> 1] >> (16 * (i & 1));
-#pragma unroll
-      for (int b = 0; b < R::kBlocks; ++b) out[i * R::kBlocks + b] = __byte_perm(group, 0u, e.x >> (16 * b));
-      m16 |= e.y << (4 * R::kBlocks * i);
-    }
-    *reinterpret_cast<uint4*>(a_tile + r * kStored * 2 + ((q ^ ((r >> 1) & 3)) << 4)) = make_uint4(out[0], out[1], out[2], out[3]);
-    metadata |= m16 << (16 * h);
   }
-  *meta = metadata;
+  uint2 entries[kPer][2][R::kChunkGroups];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int g = 0; g < R::kChunkGroups; ++g)
+        entries[j][h][g] = table[(codes[j][h] >> (g * F::kGroupBits)) & (R::kCodes - 1)];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    uint32_t metadata = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = rows[j] + 8 * h;
+      uint32_t out[4], m16 = 0;
+#pragma unroll
+      for (int g = 0; g < R::kChunkGroups; ++g) {
+        const uint2 e = entries[j][h][g];
+        const uint32_t group = kN == 2 ? values[j][h][g] : values[j][h][g >> 1] >> (16 * (g & 1));
+#pragma unroll
+        for (int b = 0; b < R::kBlocks; ++b) out[g * R::kBlocks + b] = __byte_perm(group, 0u, e.x >> (16 * b));
+        m16 |= e.y << (4 * R::kBlocks * g);
+      }
+      *reinterpret_cast<uint4*>(a_tile + r * kStored * 2 + ((qs[j] ^ ((r >> 1) & 3)) << 4)) =
+          make_uint4(out[0], out[1], out[2], out[3]);
+      metadata |= m16 << (16 * h);
+    }
+    meta[i + j * kRegroupThreads] = metadata;
+  }
 }
 
-// Rings of 2G steps each: activation tiles, regrouped 2:4 tiles, packed tiles, metadata words.
+// A step of the regrouping kernel in shared memory: the activation tile (128-byte swizzle), the
+// regrouped 2:4 tile (64-byte swizzle), the packed tile as copied (values, then offset words) and
+// the regrouped tile's metadata words; a ring of kStages steps, then the stages' "full", "ready"
+// and "empty" barriers, then the regrouping table.
 template <int kN, int kM, int kRows>
 struct RegroupLayout {
   using F = sm90::Family<kN, kM>;
@@ -324,115 +361,158 @@ struct RegroupLayout {
   static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
   static constexpr size_t kPacked = (F::kTileBytes + 127) / 128 * 128;
   static constexpr size_t kMeta = kThreads * 4;
-  static constexpr size_t kStep = kX + kA + kPacked + kMeta;
-  static constexpr int kGroup = std::min<int>(4, static_cast<int>(216 * 1024 / kStep) / 2);
-  static constexpr int kStages = 2 * kGroup;
-  static constexpr size_t kAOffset = kStages * kX;  // 1024-aligned: the activation tiles are
-  static constexpr size_t kPackedOffset = kAOffset + kStages * kA;
-  static constexpr size_t kMetaOffset = kPackedOffset + kStages * kPacked;
-  static constexpr size_t kTableOffset = kMetaOffset + kStages * kMeta;
-  static constexpr size_t kBytes = kTableOffset + Regroup<kN, kM>::kCodes * 8 + 1024;  // + slack to align
-  static_assert(kGroup >= 2, "a group of steps in the MMAs while the next group is regrouped");
-  static_assert(kThreads * kRows / 2 * 4 <= kTableOffset, "reduce_split's scratch fits in the rings");
+  static constexpr size_t kStage = (kX + kA + kPacked + kMeta + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
+  static constexpr int kFit = static_cast<int>(216 * 1024 / kStage);
+  static constexpr int kGroup = kFit >= 8 ? 4 : 2;  // steps multiplied together (see wgmma_sp_kernel)
+  static constexpr int kStages = kFit / kGroup * kGroup;
+  static constexpr size_t kBarriers = kStages * kStage;
+  static constexpr size_t kTable = kBarriers + 3 * kStages * 8;
+  static constexpr size_t kBytes = kTable + Regroup<kN, kM>::kCodes * 8 + 1024;  // + slack to align the ring
+  static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
+  static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group is copied and regrouped");
+  static_assert(kThreads * kRows / 2 * 4 <= kBarriers, "reduce_split's scratch fits in the ring");
 };
 
-// The loop wgmma_sp_kernel had until session 17 (every thread copies, one block barrier per
-// group of steps; on the producer-warp structure this kernel ran 0.78-0.90x as fast,
-// BENCHMARKS.md), with one more stage: group k's MMAs run while group k + 1 is regrouped from its
-// packed tiles (copied during group k - 1) and the packed tiles of group k + 2 and the
-// activation tiles of group k + 1 are copied. Metadata registers are again only written with no
-// MMA in flight: a group reads its words from shared memory first.
+
+// The structure of wgmma_sp_kernel with a third role in between: the last warp copies (TMA for
+// the activation tile and the packed values, cp.async for the offset words; "full" barrier), the
+// kRegroupThreads before it regroup each landed step into the 2:4 tile and its metadata words
+// ("ready" barrier), and warps 0-7 multiply exactly as in wgmma_sp_kernel and release the stage
+// ("empty" barrier). So neither the copies nor the regrouping wait for the MMAs or for a block
+// barrier. Until session 18 every thread copied, regrouped and multiplied in turn with a block
+// barrier per group of steps; this kernel is 1.06-1.25x that one at 256-4096 rows, 0.92-1.10x at
+// 17-64 (BENCHMARKS.md, session 18). Regrouping inside the multiplying warpgroups instead ran
+// 0.78-0.90x (session 17).
 template <typename T, int kN, int kM, int kRows>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_regroup_kernel(PathParams<T> p) {
+__global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProducerThreads, 1)
+    wgmma_regroup_kernel(PathParams<T> p, const __grid_constant__ SpMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = RegroupLayout<kN, kM, kRows>;
+  using F = typename L::F;
   constexpr int S = L::kStages, G = L::kGroup;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
-  uint2* table = reinterpret_cast<uint2*>(smem + L::kTableOffset);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, wg = warp >> 2;
+  const uint32_t ring = sm90::smem_addr(smem);
+  uint2* table = reinterpret_cast<uint2*>(smem + L::kTable);
+  auto stage_at = [&](int s) { return ring + static_cast<uint32_t>(s * L::kStage); };
+  auto full = [&](int s) { return ring + static_cast<uint32_t>(L::kBarriers) + s * 8; };  // copies landed
+  auto ready = [&](int s) { return full(S) + s * 8; };                                     // regrouped
+  auto empty = [&](int s) { return ready(S) + s * 8; };                                    // multiplied
+  auto packed = [&](int s) { return smem + s * L::kStage + L::kX + L::kA; };
+  auto meta = [&](int s) { return reinterpret_cast<uint32_t*>(smem + s * L::kStage + L::kX + L::kA + L::kPacked); };
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool consumer = warp < kThreads / 32;
+  const bool producer = warp == (kThreads + kRegroupThreads<kN, kRows>) / 32;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   const int64_t steps = ((p.groups * kM + kBK - 1) / kBK + G - 1) / G * G;  // whole groups of steps
-  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
-  // Step g of group k sits in stage ring_stage(k) + g of a ring of two groups.
-  static_assert(S == 2 * G, "two groups of stages");
-  auto stage = [](int k, int g) { return sm90::ring_stage<2, G>(k) + g; };
-  auto x_tile = [&](int k, int g) { return smem + stage(k, g) * L::kX; };
-  auto a_tile = [&](int k, int g) { return smem + L::kAOffset + stage(k, g) * L::kA; };
-  auto packed = [&](int k, int g) { return smem + L::kPackedOffset + stage(k, g) * L::kPacked; };
-  auto meta = [&](int k, int g) { return reinterpret_cast<uint32_t*>(smem + L::kMetaOffset + stage(k, g) * L::kMeta); };
+  int64_t begin64, end64;  // this block's steps (all of them unless K is split over a cluster)
+  sm90::split_steps<G>(steps, begin64, end64);
+  const int begin = static_cast<int>(begin64), end = static_cast<int>(end64);
 
-  const sm90::ActivationLoader<T, kRows> x_loader(p, r0);
-  const sm90::PackedLoader<T, kN, kM> w_loader(p, w0);
-  int64_t begin, end;  // this block's steps (all of them unless K is split over a cluster)
-  sm90::split_steps<G>(steps, begin, end);
-  auto load_x = [&](int group) {
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-      if (group * G + g < end) x_loader.load(p, sm90::smem_addr(x_tile(group, g)), group * G + g);
-  };
-  auto load_w = [&](int group) {
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-      if (group * G + g < end) w_loader.load(p, sm90::smem_addr(packed(group, g)), group * G + g);
-  };
-  auto regroup = [&](int group) {
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-      regroup_step<kN, kM>(packed(group, g), group * G + g, row, q, a_tile(group, g), meta(group, g) + threadIdx.x, table);
-  };
-
-  float acc[kRows / 2];
-#pragma unroll
-  for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
-  sm90::fence_operands(acc);
-  fill_regroup_table<kN, kM>(table);
-
-  const int first = static_cast<int>(begin / G), last = static_cast<int>(end / G);  // this block's groups [first, last)
-  load_x(first);
-  load_w(first);
-  load_w(first + 1);
-  sm90::cp_async_commit();
-  sm90::cp_async_wait<0>();
-  __syncthreads();  // the packed tiles of the first two groups and the table are written
-  if (first < last) regroup(first);
-
-  // This thread's metadata word for MMA s of a step: chunk 2s + (lane & 1) of its quad's rows.
-  const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
-  for (int k = first; k < last; ++k) {
-    sm90::cp_async_wait<0>();
-    sm90::fence_async_proxy();
-    __syncthreads();  // group k's tiles are regrouped, its activations and group k + 1's packed tiles landed
-
-    uint32_t words[G][kMetaWords];
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int s = 0; s < kMetaWords; ++s) words[g][s] = meta(k, g)[meta_reader + 2 * s];
-    const uint64_t x_desc = sm90::sw128_desc(sm90::smem_addr(x_tile(k, 0)));
-    const uint64_t a_desc = sm90::sw64_desc(sm90::smem_addr(a_tile(k, 0)) + wg * 64 * kStored * 2);
-    sm90::fence_operands(acc);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-      for (int s = 0; s < kMetaWords; ++s)
-        sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kA + s * 32),
-                                     sm90::desc_plus(x_desc, g * L::kX + s * 64), words[g][s]);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      sm90::mbarrier_init(full(s), 1 + kProducerThreads);  // the expected bytes, then each lane's offset words
+      sm90::mbarrier_init(ready(s), kRegroupThreads<kN, kRows>);      // every regrouping thread
+      sm90::mbarrier_init(empty(s), kThreads / 32);        // every consumer warp
     }
-    sm90::wgmma_commit();
-    sm90::fence_operands(acc);
-    // Copies issued after the MMAs: 2-11% faster here than before them (BENCHMARKS.md, session
-    // 10); the 2:4 kernel, whose copies have no regrouping to hide behind, lost 8-24% that way.
-    load_x(k + 1);
-    load_w(k + 2);
-    sm90::cp_async_commit();
-    if (k + 1 < last) regroup(k + 1);
-    sm90::wgmma_wait<0>();
+    sm90::fence_barrier_init();
   }
-  sm90::fence_operands(acc);
-  if (sm90::reduce_split(acc, smem)) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
+  if (threadIdx.x < kThreads) fill_regroup_table<kN, kM>(table);
+  __syncthreads();
+
+  float acc[kRows / 2];  // set and used by the consumers only: the other roles keep no registers for it
+
+  if (producer) {
+    if (lane == 0) {
+      sm90::tma_prefetch_map(&maps.x);
+      sm90::tma_prefetch_map(&maps.values);
+    }
+    constexpr int kWords = kTileW * F::kIndexWords;  // offset words of a step, from its first bit's word
+    int s = 0;
+    uint32_t phase = 0;
+    for (int t = begin; t < end; ++t) {
+      sm90::mbarrier_wait(empty(s), phase ^ 1);  // passes at once on a stage's first use
+      const uint32_t stage = stage_at(s);
+      if (lane == 0) {
+        sm90::mbarrier_arrive_expect_tx(full(s), L::kTensorBytes);
+        sm90::tma_load_2d(stage, &maps.x, t * kBK, static_cast<int>(r0), full(s));
+        sm90::tma_load_2d(stage + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
+                          static_cast<int>(w0), full(s));
+      }
+      const int64_t word0 = (static_cast<int64_t>(t) * F::kEntries * F::kBits) >> 5;
+      const uint32_t words = stage + static_cast<uint32_t>(L::kX + L::kA + F::kValues);
+#pragma unroll
+      for (int i = lane; i < kWords; i += 32) {
+        const int row = i / F::kIndexWords;
+        const int64_t word = word0 + i % F::kIndexWords;
+        const bool ok = w0 + row < p.nout && word < p.index_words;  // zeros past the row and past Nout
+        sm90::cp_async4(words + i * 4, ok ? p.indices + (w0 + row) * p.index_words + word : p.indices, ok);
+      }
+      sm90::cp_async_arrive(full(s));
+      if (++s == S) s = 0, phase ^= 1;
+    }
+  } else if (!consumer) {
+    // Regrouping thread i does the work of consumer threads i and i + 128 in the kernel before:
+    // one 16-position chunk of two rows each, their metadata word where that thread reads it.
+    const int i = threadIdx.x - kThreads;
+    int s = 0;
+    uint32_t phase = 0;
+    for (int t = begin; t < end; ++t) {
+      sm90::mbarrier_wait(full(s), phase);
+      uint8_t* a_tile = smem + s * L::kStage + L::kX;
+      regroup_share<kN, kM, kRegroupThreads<kN, kRows>>(packed(s), t, i, a_tile, meta(s), table);
+      sm90::fence_async_proxy();  // the MMAs read the 2:4 tile through the async proxy
+      sm90::mbarrier_arrive(ready(s));
+      if (++s == S) s = 0, phase ^= 1;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
+    sm90::fence_operands(acc);
+    const int wg = warp >> 2;
+    // This thread's metadata word for MMA k of a step: chunk 2k + (lane & 1) of its quad's rows.
+    const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
+    int s = 0;  // the group's first stage: groups never wrap around the ring (S is a multiple of G)
+    uint32_t phase = 0;
+    for (int t = begin; t < end; t += G) {
+      uint32_t words[G][kMetaWords];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        sm90::mbarrier_wait(full(s + g), phase);  // the activation tile (the regrouping waited too)
+        sm90::mbarrier_wait(ready(s + g), phase);
+#pragma unroll
+        for (int k = 0; k < kMetaWords; ++k) words[g][k] = meta(s + g)[meta_reader + 2 * k];
+      }
+      const uint32_t xs = stage_at(s);
+      const uint64_t x_desc = sm90::sw128_desc(xs);
+      const uint64_t a_desc = sm90::sw64_desc(xs + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2);
+      sm90::fence_operands(acc);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int k = 0; k < kMetaWords; ++k)
+          sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kStage + k * 32),
+                                       sm90::desc_plus(x_desc, g * L::kStage + k * 64), words[g][k]);
+      }
+      sm90::wgmma_commit();
+      sm90::fence_operands(acc);
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(acc);
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) sm90::mbarrier_arrive(empty(s + g));
+      }
+      s += G;
+      if (s == S) s = 0, phase ^= 1;
+    }
+  }
+  if (sm90::reduce_split(acc, smem, consumer) && consumer) {
+    const int wg = warp >> 2;
+    sm90::store_tile<T, kRows>(p, acc, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
+  }
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -488,6 +568,19 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
       p, stream, splits, maps);
 }
 
+// The regrouping kernel's launch: its packed values are copied by TMA without a swizzle (the
+// regrouping threads read them as laid out in the format), kEntries per row and step.
+template <typename T, int kN, int kM, int kRows>
+cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
+  using F = sm90::Family<kN, kM>;
+  SpMaps maps;
+  if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
+      !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, F::kEntries, kTileW, CU_TENSOR_MAP_SWIZZLE_NONE))
+    return cudaErrorInvalidValue;
+  return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows>, kRows, RegroupLayout<kN, kM, kRows>::kBytes,
+                            kThreads + kRegroupThreads<kN, kRows> + kProducerThreads>(p, stream, splits, maps);
+}
+
 }  // namespace
 
 bool wgmma_sp_family(int n, int m) {
@@ -502,8 +595,7 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
       if constexpr (kN() == 2 && kM() == 4)
         return launch_two_of_four<T, rows()>(p, stream, splits);
       else
-        return sm90::launch_tiles<wgmma_regroup_kernel<T, kN(), kM(), rows()>, rows(),
-                                  RegroupLayout<kN(), kM(), rows()>::kBytes>(p, stream, splits);
+        return launch_regrouped<T, kN(), kM(), rows()>(p, stream, splits);
     });
   });
 }

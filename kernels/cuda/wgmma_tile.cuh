@@ -135,7 +135,8 @@ cudaError_t run_family(const PathParams<T>& p, WithFamily&& with_family, Launch&
 // least half the SMs idle and each block keeps at least 2 of `units`. Allowing 4 made
 // launch_split pick 4-way splits of 128- and 256-row tiles at 128 and 256 rows, 1.05-1.9x slower
 // than the 2-way splits of 64-row tiles before (BENCHMARKS.md, session 10); at 17 and 64 rows
-// 4-way splits of the one 64-row tile were 0.73-0.91x of 2-way with N = 4096 (session 11).
+// 4-way splits of the one 64-row tile were 0.73-0.91x of 2-way with N = 4096 (session 11), and
+// 0.67-0.84x again with the TMA-fed 2:4 kernel (session 18).
 inline int k_splits(int64_t tiles, int64_t units) {
   const int64_t split = std::min<int64_t>({2, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
   return static_cast<int>(std::max<int64_t>(1, split));
@@ -163,13 +164,6 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, Launch&& launch)
   if (best_rows == 256) return launch(std::integral_constant<int, 256>{}, best_split);
   if (best_rows == 128) return launch(std::integral_constant<int, 128>{}, best_split);
   return launch(std::integral_constant<int, 64>{}, best_split);
-}
-
-// The first stage of group `group` in a ring of kGroups groups of kSteps stages: 32-bit, from the
-// group index (a 64-bit t % S per step showed in the loops at 17-64 rows, BENCHMARKS.md session 15).
-template <int kGroups, int kSteps>
-__device__ __forceinline__ int ring_stage(int group) {
-  return static_cast<int>(static_cast<unsigned>(group) % kGroups) * kSteps;  // unsigned: k % 2 is k & 1
 }
 
 // This block's share of `steps` when a cluster of gridDim.z blocks splits them: whole groups of
