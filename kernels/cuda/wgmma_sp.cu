@@ -412,9 +412,9 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      sm90::mbarrier_init(full(s), 1 + kProducerThreads);  // the expected bytes, then each lane's offset words
-      sm90::mbarrier_init(ready(s), kRegroupThreads<kN, kRows>);      // every regrouping thread
-      sm90::mbarrier_init(empty(s), kThreads / 32);        // every consumer warp
+      sm90::mbarrier_init(full(s), 1 + kProducerThreads);          // the expected bytes, then each lane's offset words
+      sm90::mbarrier_init(ready(s), kRegroupThreads<kN, kRows>);  // every regrouping thread
+      sm90::mbarrier_init(empty(s), kThreads / 32);                // every consumer warp
     }
     sm90::fence_barrier_init();
   }
@@ -453,8 +453,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       if (++s == S) s = 0, phase ^= 1;
     }
   } else if (!consumer) {
-    // Regrouping thread i does the work of consumer threads i and i + 128 in the kernel before:
-    // one 16-position chunk of two rows each, their metadata word where that thread reads it.
+    // Regrouping thread i writes the chunks and metadata words of consumer threads i,
+    // i + kRegroupThreads, ... (regroup_share), where those threads read them.
     const int i = threadIdx.x - kThreads;
     int s = 0;
     uint32_t phase = 0;
