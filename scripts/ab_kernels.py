@@ -9,9 +9,9 @@ median of 15 replays, three rounds per build (all printed, the median reported).
 magnitude-pruned from normal data. Needs torch and a GPU.
 
 Archive the base on the machine that has the commits, into a folder that travels with the tree
-(untracked and not ignored, or named in the device call's carry): on the lent GPU machine the working tree travels but its git repository stays as it was when the
-session started, so `git archive HEAD` there gives the session's first commit (BENCHMARKS.md,
-session 17).
+(untracked and not ignored, or named in the device call's carry): on the lent GPU machine the
+working tree travels but its git repository stays as it was when the session started, so
+`git archive HEAD` there gives the session's first commit (BENCHMARKS.md, session 17).
 
     mkdir -p scratch/base && git archive <base> | tar -x -C scratch/base    # here; carry scratch
     (cd scratch/base && pip install --no-deps --target /tmp/old .)          # on the GPU machine

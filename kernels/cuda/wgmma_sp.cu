@@ -74,6 +74,46 @@ constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 k
 template <int kN, int kRows>
 constexpr int kRegroupThreads = kRows == 256 || kN == 2 ? 64 : 128;
 
+// The producer's tensor copies of step t into `stage` (one thread): the activation tile at the
+// stage's start, `entries` stored values per weight row at byte `values_at`; both complete on
+// `full`, which first learns the bytes they bring.
+__device__ __forceinline__ void copy_step_tiles(const SpMaps& maps, uint32_t stage, uint32_t values_at, int t,
+                                                int entries, int64_t r0, int64_t w0, uint32_t full, uint32_t bytes) {
+  sm90::mbarrier_arrive_expect_tx(full, bytes);
+  sm90::tma_load_2d(stage, &maps.x, t * kBK, static_cast<int>(r0), full);
+  sm90::tma_load_2d(stage + values_at, &maps.values, t * entries, static_cast<int>(w0), full);
+}
+
+// A consumer warpgroup's share of a group of L::kGroup steps from `stage` on (ring layout L: the
+// activation tile at each stage's start, the 2:4 tile at kX): the MMAs with the group's metadata,
+// drained before the caller writes metadata registers again (see wgmma_sp_kernel), then one
+// arrive per warp on each stage's "empty" barrier (8-byte barriers in a row from `empty`).
+template <typename L, int kRows, bool kBf16>
+__device__ __forceinline__ void multiply_group(float (&acc)[kRows / 2], uint32_t stage, int wg,
+                                               const uint32_t (&meta)[L::kGroup][kMetaWords], uint32_t empty,
+                                               int lane) {
+  const uint64_t x_desc = sm90::sw128_desc(stage);
+  const uint64_t a_desc = sm90::sw64_desc(stage + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2);
+  sm90::fence_operands(acc);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int g = 0; g < L::kGroup; ++g) {
+#pragma unroll
+    for (int k = 0; k < kMetaWords; ++k)
+      sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kStage + k * 32),
+                                   sm90::desc_plus(x_desc, g * L::kStage + k * 64), meta[g][k]);
+  }
+  sm90::wgmma_commit();
+  sm90::fence_operands(acc);
+  sm90::wgmma_wait<0>();
+  sm90::fence_operands(acc);
+  __syncwarp();
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < L::kGroup; ++g) sm90::mbarrier_arrive(empty + g * 8);
+  }
+}
+
 // Groups whose offsets read (0, 0) -- padding past the stored entries, rows past the end --
 // become (0, 1); every group of the format proper has a second offset >= 1 and stays as it is.
 __device__ __forceinline__ uint32_t valid_metadata(uint32_t meta) {
@@ -157,12 +197,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     for (int t = begin; t < end; ++t) {
       sm90::mbarrier_wait(empty(s), phase ^ 1);
       const uint32_t stage = stage_at(s);
-      if (lane == 0) {
-        sm90::mbarrier_arrive_expect_tx(full(s), L::kTensorBytes);
-        sm90::tma_load_2d(stage, &maps.x, t * kBK, static_cast<int>(r0), full(s));
-        sm90::tma_load_2d(stage + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
-                          full(s));
-      }
+      if (lane == 0)
+        copy_step_tiles(maps, stage, static_cast<uint32_t>(L::kX), t, kStored, r0, w0, full(s), L::kTensorBytes);
       // Steps past a row's stored entries (the rounding up to whole groups) read zeros.
       const bool in_row = static_cast<int64_t>(t) * kMetaWords < p.index_words;
 #pragma unroll
@@ -191,27 +227,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
           meta[g][k] =
               valid_metadata(__byte_perm(words[row * kMetaWords + k], words[(row + 8) * kMetaWords + k], halves));
       }
-      const uint32_t xs = stage_at(s);
-      const uint64_t x_desc = sm90::sw128_desc(xs);
-      const uint64_t a_desc = sm90::sw64_desc(xs + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2);
-      sm90::fence_operands(acc);
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int k = 0; k < kMetaWords; ++k)
-          sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kStage + k * 32),
-                                       sm90::desc_plus(x_desc, g * L::kStage + k * 64), meta[g][k]);
-      }
-      sm90::wgmma_commit();
-      sm90::fence_operands(acc);
-      sm90::wgmma_wait<0>();
-      sm90::fence_operands(acc);
-      __syncwarp();
-      if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) sm90::mbarrier_arrive(empty(s + g));
-      }
+      multiply_group<L, kRows, kBf16>(acc, stage_at(s), wg, meta, empty(s), lane);
       s += G;
       if (s == S) s = 0, phase ^= 1;
     }
@@ -434,12 +450,9 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     for (int t = begin; t < end; ++t) {
       sm90::mbarrier_wait(empty(s), phase ^ 1);  // passes at once on a stage's first use
       const uint32_t stage = stage_at(s);
-      if (lane == 0) {
-        sm90::mbarrier_arrive_expect_tx(full(s), L::kTensorBytes);
-        sm90::tma_load_2d(stage, &maps.x, t * kBK, static_cast<int>(r0), full(s));
-        sm90::tma_load_2d(stage + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
-                          static_cast<int>(w0), full(s));
-      }
+      if (lane == 0)
+        copy_step_tiles(maps, stage, static_cast<uint32_t>(L::kX + L::kA), t, F::kEntries, r0, w0, full(s),
+                        L::kTensorBytes);
       const int64_t word0 = (static_cast<int64_t>(t) * F::kEntries * F::kBits) >> 5;
       const uint32_t words = stage + static_cast<uint32_t>(L::kX + L::kA + F::kValues);
 #pragma unroll
@@ -484,27 +497,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
 #pragma unroll
         for (int k = 0; k < kMetaWords; ++k) words[g][k] = meta(s + g)[meta_reader + 2 * k];
       }
-      const uint32_t xs = stage_at(s);
-      const uint64_t x_desc = sm90::sw128_desc(xs);
-      const uint64_t a_desc = sm90::sw64_desc(xs + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2);
-      sm90::fence_operands(acc);
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int k = 0; k < kMetaWords; ++k)
-          sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kStage + k * 32),
-                                       sm90::desc_plus(x_desc, g * L::kStage + k * 64), words[g][k]);
-      }
-      sm90::wgmma_commit();
-      sm90::fence_operands(acc);
-      sm90::wgmma_wait<0>();
-      sm90::fence_operands(acc);
-      __syncwarp();
-      if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) sm90::mbarrier_arrive(empty(s + g));
-      }
+      multiply_group<L, kRows, kBf16>(acc, stage_at(s), wg, words, empty(s), lane);
       s += G;
       if (s == S) s = 0, phase ^= 1;
     }
