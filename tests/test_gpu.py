@@ -126,6 +126,42 @@ def test_cuda_paths_fuse_residual_and_prologue(rng, prologue, dtype_name, n, m, 
         assert error_ratio(got, ref, magnitude, dtype_name, k, rounded_input=True) < 1, (path, need)
 
 
+@pytest.mark.parametrize("nm", ["2:4", "2:8"])
+@pytest.mark.parametrize("path,rows", [("auto", 96), ("wgmma_sp", 40), ("decode", 1)])
+def test_back_to_back_calls_see_each_others_outputs(rng, nm, path, rows):
+    """Three calls on one stream with nothing between them: A reads b0 and writes b1, B reads b1
+    and writes b2, C reads b2 and overwrites b0. Kernels launched as programmatic dependents start
+    before the previous one ends, so they must wait before reading its output and before writing
+    what it may still read. Each call is checked against the float64 reference of its own input
+    as read back afterwards; three rounds, each from fresh data."""
+    pattern = NMPattern.parse(nm)
+    widths = [1024, 2048, 1024, 1024]  # b0 -> b1 -> b2 -> b0
+    weights = [pack(w, choose_offsets(np.abs(w), pattern), pattern)
+               for w in (random_array(rng, (k, n), "float16") for k, n in zip(widths, widths[1:]))]
+    vds = [to_device(packed.values, "float16") for packed in weights]
+    ids = [torch.from_numpy(packed.indices.view(np.int32)).cuda() for packed in weights]
+    buffers = [torch.empty(rows, width, device="cuda", dtype=torch.float16) for width in widths[:3]]
+    # Outputs of about unit scale (unscaled, the third would overflow fp16).
+    alphas = [float(1 / np.sqrt(np.mean(unpack(packed) ** 2) * k)) for packed, k in zip(weights, widths)]
+    stream = torch.cuda.current_stream().cuda_stream
+    for _ in range(3):
+        buffers[0].copy_(to_device(random_array(rng, (rows, widths[0]), "float16"), "float16"))
+        inputs = [buffers[0].clone()]
+        for b in buffers[1:]:
+            b.fill_(float("nan"))
+        for i, packed in enumerate(weights):
+            src, dst = buffers[i], buffers[(i + 1) % 3]
+            kernels.nm_matmul_cuda(src.data_ptr(), vds[i].data_ptr(), ids[i].data_ptr(), 0, dst.data_ptr(), rows,
+                                   pattern.n, pattern.m, widths[i], widths[i + 1], "float16", alphas[i], stream, path)
+        torch.cuda.synchronize()
+        seen = [inputs[0]] + buffers[1:] + [buffers[0]]
+        for i, packed in enumerate(weights):
+            x = seen[i].float().cpu().numpy()
+            ref, magnitude = dense_reference(x, unpack(packed), alpha=alphas[i])
+            got = seen[i + 1].float().cpu().numpy().astype(np.float64)
+            assert error_ratio(got, ref, magnitude, "float16", widths[i]) < 1, (path, i)
+
+
 def test_cuda_copy_kernel_copies_and_refuses_misaligned():
     """The copy-bandwidth ceiling's kernel copies every byte (a size that leaves a partial pass),
     and refuses sizes or pointers that are not 16-byte multiples with an error."""

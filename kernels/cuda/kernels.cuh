@@ -75,22 +75,32 @@ int compute_capability();
 bool use_pdl();
 
 // Launches `kernel` with grid.z = `split` blocks of one cluster along z, which split each tile's
-// K steps between them (the mma and warpgroup paths' split-K; sm_90).
+// K steps between them (the mma and warpgroup paths' split-K; sm_90; split 1 launches no
+// cluster). With `pdl` (and use_pdl()), as a programmatic dependent launch: only for kernels
+// that call wait_for_previous_kernel() before they read what earlier kernels wrote or write
+// anything themselves.
 template <typename... Params, typename... Args>
 cudaError_t launch_split_k(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem, cudaStream_t stream,
-                           int split, Args... args) {
+                           int split, bool pdl, Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid.x, grid.y, static_cast<unsigned>(split));
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 1;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = static_cast<unsigned>(split);
-  config.attrs = cluster;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attrs[2];
+  unsigned count = 0;
+  if (split > 1) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = 1;
+    attrs[count].val.clusterDim.y = 1;
+    attrs[count++].val.clusterDim.z = static_cast<unsigned>(split);
+  }
+  if (pdl && use_pdl()) {
+    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  config.attrs = attrs;
+  config.numAttrs = count;
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 

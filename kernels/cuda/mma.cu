@@ -334,7 +334,7 @@ cudaError_t launch_tile(const PathParams<T>& p, cudaStream_t stream, bool vector
     mma_kernel<T, kN, kM, BM, BN, false><<<grid, kThreads, 0, stream>>>(p, vector_loads);
     return cudaGetLastError();
   }
-  return launch_split_k(mma_kernel<T, kN, kM, BM, BN, true>, grid, kThreads, 0, stream, split, p, vector_loads);
+  return launch_split_k(mma_kernel<T, kN, kM, BM, BN, true>, grid, kThreads, 0, stream, split, false, p, vector_loads);
 }
 
 template <typename T, int kN, int kM>

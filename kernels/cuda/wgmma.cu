@@ -259,7 +259,7 @@ cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_family, [&](auto kN, auto kM) {
     return sm90::launch_widest(p, [&](auto rows) {
       return sm90::launch_tiles<wgmma_kernel<T, kN(), kM(), rows()>, rows(), Layout<kN(), kM(), rows()>::kBytes>(
-          p, stream, 1);
+          p, stream, 1, false);
     });
   });
 }

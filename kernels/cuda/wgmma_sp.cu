@@ -58,8 +58,8 @@ struct SpLayout {
   static_assert(kThreads * kRows / 2 * 4 <= kBarriers, "reduce_split's scratch fits in the ring");
 };
 
-// The 2:4 kernel's tensor maps (TMA descriptors, built on the host for each call): activation
-// tiles and stored-value tiles, in the swizzled layouts the wgmma descriptors read.
+// The sparse kernels' tensor maps (TMA descriptors, built on the host for each call): activation
+// tiles and stored-value tiles, in the layouts the kernels read.
 struct SpMaps {
   CUtensorMap x;
   CUtensorMap values;
@@ -74,14 +74,42 @@ constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 k
 template <int kN, int kRows>
 constexpr int kRegroupThreads = kRows == 256 || kN == 2 ? 64 : 128;
 
-// The producer's tensor copies of step t into `stage` (one thread): the activation tile at the
-// stage's start, `entries` stored values per weight row at byte `values_at`; both complete on
-// `full`, which first learns the bytes they bring.
-__device__ __forceinline__ void copy_step_tiles(const SpMaps& maps, uint32_t stage, uint32_t values_at, int t,
-                                                int entries, int64_t r0, int64_t w0, uint32_t full, uint32_t bytes) {
-  sm90::mbarrier_arrive_expect_tx(full, bytes);
-  sm90::tma_load_2d(stage, &maps.x, t * kBK, static_cast<int>(r0), full);
-  sm90::tma_load_2d(stage + values_at, &maps.values, t * entries, static_cast<int>(w0), full);
+// The producer warp's schedule in both kernels. Step t's copies go to stage t % S once the
+// consumers released it (`empty(s)`, phase parity): lane 0 tells the stage's `full` barrier the
+// `bytes` its tensor copies bring and issues them, activations(s, t) and values(s, t); then every
+// lane copies its share of the offset words, offsets(s, t). kEarly, for a grid launched as a
+// programmatic dependent (it may start while the previous kernel in the stream still runs): the
+// weights are constants, so the first S steps' weight copies go out at once, and their
+// activation tiles (which that kernel may write) once it has finished.
+template <int S, bool kEarly, typename Full, typename Empty, typename Activations, typename Values, typename Offsets>
+__device__ __forceinline__ void produce(int begin, int end, int lane, uint32_t bytes, Full&& full, Empty&& empty,
+                                        Activations&& activations, Values&& values, Offsets&& offsets) {
+  int s = 0, t = begin;
+  uint32_t phase = 0;
+  if constexpr (kEarly) {
+    const int ahead = min(end - begin, S);
+    for (int i = 0; i < ahead; ++i) {
+      if (lane == 0) {
+        sm90::mbarrier_arrive_expect_tx(full(i), bytes);
+        values(i, begin + i);
+      }
+      offsets(i, begin + i);
+    }
+    wait_for_previous_kernel();
+    if (lane == 0)
+      for (int i = 0; i < ahead; ++i) activations(i, begin + i);
+    s = ahead % S, t = begin + ahead, phase = ahead == S;  // the stages filled ahead wrapped the ring once
+  }
+  for (; t < end; ++t) {
+    sm90::mbarrier_wait(empty(s), phase ^ 1);  // passes at once on a stage's first use
+    if (lane == 0) {
+      sm90::mbarrier_arrive_expect_tx(full(s), bytes);
+      activations(s, t);
+      values(s, t);
+    }
+    offsets(s, t);
+    if (++s == S) s = 0, phase ^= 1;
+  }
 }
 
 // A consumer warpgroup's share of a group of L::kGroup steps from `stage` on (ring layout L: the
@@ -138,7 +166,11 @@ __device__ __forceinline__ uint32_t valid_metadata(uint32_t meta) {
 // metadata of a whole group of kGroup steps, issues their MMAs back to back and waits for them
 // before the next group. Writing a step's metadata while the previous step's MMAs ran gave wrong
 // results with the 256-row tile, and two alternating sets made ptxas serialize the MMAs.
-template <typename T, int kRows>
+// kEarly: launched as a programmatic dependent (grids of one wave, sm90::launch_early_or_not);
+// the next kernel may start at once, and this one copies its first weight tiles before it waits
+// for the previous one (produce). At 17-64 rows that made back-to-back calls 1.03-1.17x faster
+// (BENCHMARKS.md, session 19); the time there goes to each block's copies, not to the bandwidth.
+template <typename T, int kRows, bool kEarly>
 __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     wgmma_sp_kernel(PathParams<T> p, const __grid_constant__ SpMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -170,6 +202,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     sm90::fence_barrier_init();
   }
   __syncthreads();
+  if constexpr (kEarly) allow_next_kernel();  // the next kernel's blocks may take idle SMs and copy their weights
 
   float acc[kRows / 2];
 #pragma unroll
@@ -177,8 +210,6 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   sm90::fence_operands(acc);
 
   if (!consumer) {
-    // Stage s is refilled for the n-th time once the consumers released its (n-1)-th use: the
-    // wait on parity (n & 1) ^ 1 passes at once for n = 0.
     if (lane == 0) {
       sm90::tma_prefetch_map(&maps.x);
       sm90::tma_prefetch_map(&maps.values);
@@ -192,24 +223,25 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       meta_ok[j] = w < p.nout;
       meta[j] = p.indices + (meta_ok[j] ? w * p.index_words : 0);
     }
-    int s = 0;
-    uint32_t phase = 0;
-    for (int t = begin; t < end; ++t) {
-      sm90::mbarrier_wait(empty(s), phase ^ 1);
-      const uint32_t stage = stage_at(s);
-      if (lane == 0)
-        copy_step_tiles(maps, stage, static_cast<uint32_t>(L::kX), t, kStored, r0, w0, full(s), L::kTensorBytes);
+    auto activations = [&](int s, int t) {
+      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
+    };
+    auto values = [&](int s, int t) {
+      sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
+                        full(s));
+    };
+    auto offsets = [&](int s, int t) {
       // Steps past a row's stored entries (the rounding up to whole groups) read zeros.
       const bool in_row = static_cast<int64_t>(t) * kMetaWords < p.index_words;
 #pragma unroll
       for (int j = 0; j < kMetaRows; ++j) {
         const bool ok = meta_ok[j] && in_row;
-        sm90::cp_async8(stage + static_cast<uint32_t>(L::kX + L::kA) + (lane + 32 * j) * kMetaWords * 4,
+        sm90::cp_async8(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA) + (lane + 32 * j) * kMetaWords * 4,
                         ok ? meta[j] + t * kMetaWords : p.indices, ok);
       }
       sm90::cp_async_arrive(full(s));
-      if (++s == S) s = 0, phase ^= 1;
-    }
+    };
+    produce<S, kEarly>(begin, end, lane, L::kTensorBytes, full, empty, activations, values, offsets);
   } else {
     // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
     // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
@@ -232,6 +264,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       if (s == S) s = 0, phase ^= 1;
     }
   }
+  if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
   if (sm90::reduce_split(acc, smem, consumer) && consumer) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
@@ -399,7 +432,7 @@ struct RegroupLayout {
 // barrier per group of steps; this kernel is 1.06-1.25x that one at 256-4096 rows, 0.92-1.10x at
 // 17-64 (BENCHMARKS.md, session 18). Regrouping inside the multiplying warpgroups instead ran
 // 0.78-0.90x (session 17).
-template <typename T, int kN, int kM, int kRows>
+template <typename T, int kN, int kM, int kRows, bool kEarly>
 __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProducerThreads, 1)
     wgmma_regroup_kernel(PathParams<T> p, const __grid_constant__ SpMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -436,6 +469,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   }
   if (threadIdx.x < kThreads) fill_regroup_table<kN, kM>(table);
   __syncthreads();
+  if constexpr (kEarly) allow_next_kernel();  // the next kernel's blocks may take idle SMs and copy their weights
 
   float acc[kRows / 2];  // set and used by the consumers only: the other roles keep no registers for it
 
@@ -445,16 +479,16 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       sm90::tma_prefetch_map(&maps.values);
     }
     constexpr int kWords = kTileW * F::kIndexWords;  // offset words of a step, from its first bit's word
-    int s = 0;
-    uint32_t phase = 0;
-    for (int t = begin; t < end; ++t) {
-      sm90::mbarrier_wait(empty(s), phase ^ 1);  // passes at once on a stage's first use
-      const uint32_t stage = stage_at(s);
-      if (lane == 0)
-        copy_step_tiles(maps, stage, static_cast<uint32_t>(L::kX + L::kA), t, F::kEntries, r0, w0, full(s),
-                        L::kTensorBytes);
+    auto activations = [&](int s, int t) {
+      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
+    };
+    auto values = [&](int s, int t) {
+      sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
+                        static_cast<int>(w0), full(s));
+    };
+    auto offsets = [&](int s, int t) {
       const int64_t word0 = (static_cast<int64_t>(t) * F::kEntries * F::kBits) >> 5;
-      const uint32_t words = stage + static_cast<uint32_t>(L::kX + L::kA + F::kValues);
+      const uint32_t words = stage_at(s) + static_cast<uint32_t>(L::kX + L::kA + F::kValues);
 #pragma unroll
       for (int i = lane; i < kWords; i += 32) {
         const int row = i / F::kIndexWords;
@@ -463,8 +497,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
         sm90::cp_async4(words + i * 4, ok ? p.indices + (w0 + row) * p.index_words + word : p.indices, ok);
       }
       sm90::cp_async_arrive(full(s));
-      if (++s == S) s = 0, phase ^= 1;
-    }
+    };
+    produce<S, kEarly>(begin, end, lane, L::kTensorBytes, full, empty, activations, values, offsets);
   } else if (!consumer) {
     // Regrouping thread i writes the chunks and metadata words of consumer threads i,
     // i + kRegroupThreads, ... (regroup_share), where those threads read them.
@@ -502,6 +536,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       if (s == S) s = 0, phase ^= 1;
     }
   }
+  if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
   if (sm90::reduce_split(acc, smem, consumer) && consumer) {
     const int wg = warp >> 2;
     sm90::store_tile<T, kRows>(p, acc, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
@@ -557,8 +592,10 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B))
     return cudaErrorInvalidValue;
-  return sm90::launch_tiles<wgmma_sp_kernel<T, kRows>, kRows, SpLayout<kRows>::kBytes, kThreads + kProducerThreads>(
-      p, stream, splits, maps);
+  return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
+    return sm90::launch_tiles<wgmma_sp_kernel<T, kRows, early()>, kRows, SpLayout<kRows>::kBytes,
+                              kThreads + kProducerThreads>(p, stream, splits, early(), maps);
+  });
 }
 
 // The regrouping kernel's launch: its packed values are copied by TMA without a swizzle (the
@@ -570,8 +607,12 @@ cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int sp
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, F::kEntries, kTileW, CU_TENSOR_MAP_SWIZZLE_NONE))
     return cudaErrorInvalidValue;
-  return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows>, kRows, RegroupLayout<kN, kM, kRows>::kBytes,
-                            kThreads + kRegroupThreads<kN, kRows> + kProducerThreads>(p, stream, splits, maps);
+  constexpr size_t kSmem = RegroupLayout<kN, kM, kRows>::kBytes;
+  constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
+  return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
+    return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, early()>, kRows, kSmem, kBlock>(p, stream, splits,
+                                                                                                    early(), maps);
+  });
 }
 
 }  // namespace

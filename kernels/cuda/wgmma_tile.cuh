@@ -6,6 +6,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "common.cuh"
 #include "kernels.cuh"
@@ -205,20 +206,35 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[kCount], uint8_t* scra
   return rank == 0;
 }
 
+// Calls launch(std::bool_constant<early>) with `early` whether to launch a grid of kRows-row
+// activation tiles, `splits` blocks per tile, as a programmatic dependent: PDL is on and the grid
+// fits on the GPU at once (one block per SM), where it gave 1.03-1.17x at 17-64 rows
+// (BENCHMARKS.md, session 19). Grids of several waves keep the launch and the code they had: a
+// first version that changed their producer's code ran 0.78-0.97x at 4096 rows, and PDL alone
+// was not measured there.
+template <int kRows, typename T, typename Launch>
+cudaError_t launch_early_or_not(const PathParams<T>& p, int splits, Launch&& launch) {
+  const bool early = use_pdl() && (p.nout + kTileW - 1) / kTileW * ((p.rows + kRows - 1) / kRows) * splits <=
+                                      multiprocessor_count();
+  return early ? launch(std::true_type{}) : launch(std::false_type{});
+}
+
 // Launches a warpgroup kernel with kRows-row activation tiles and kSmem bytes of dynamic shared
 // memory: weight tiles along x, activation tiles along y, and `splits` blocks of a cluster along
 // z splitting K (the kernel then calls split_steps and reduce_split). The kernel takes p and then
-// `extra` (kBlockThreads: the kThreads consumers plus any producer warps).
+// `extra` (kBlockThreads: the kThreads consumers plus any producer warps). `pdl`: as a
+// programmatic dependent launch (see launch_split_k), for kernels that wait for the previous one
+// themselves.
 template <auto kKernel, int kRows, size_t kSmem, unsigned kBlockThreads = kThreads, typename T, typename... Extra>
-cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream, int splits, const Extra&... extra) {
+cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream, int splits, bool pdl, const Extra&... extra) {
   static_assert(kSmem <= 227 * 1024, "shared memory per block");
   if (cudaError_t e = allow_dynamic_smem<kKernel>(static_cast<int>(kSmem)); e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW), static_cast<unsigned>((p.rows + kRows - 1) / kRows));
-  if (splits == 1) {
+  if (splits == 1 && !pdl) {
     kKernel<<<grid, kBlockThreads, kSmem, stream>>>(p, extra...);
     return cudaGetLastError();
   }
-  return launch_split_k(kKernel, grid, kBlockThreads, kSmem, stream, splits, p, extra...);
+  return launch_split_k(kKernel, grid, kBlockThreads, kSmem, stream, splits, pdl, p, extra...);
 }
 
 }  // namespace sm90
