@@ -206,10 +206,10 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[kCount], uint8_t* scra
   return rank == 0;
 }
 
-// Calls launch(std::bool_constant<early>) with `early` whether to launch a grid of kRows-row
-// activation tiles, `splits` blocks per tile, as a programmatic dependent: PDL is on and the grid
-// fits on the GPU at once (one block per SM), where it gave 1.03-1.17x at 17-64 rows
-// (BENCHMARKS.md, session 19). Grids of several waves keep the launch and the code they had: a
+// Calls launch(std::true_type{}) to start a grid of kRows-row activation tiles, `splits` blocks
+// per tile, as a programmatic dependent, launch(std::false_type{}) to start it as before. Early
+// where PDL is on and the grid fits on the GPU at once (one block per SM): 1.03-1.17x at 17-64
+// rows (BENCHMARKS.md, session 19). Grids of several waves keep the launch and the code they had: a
 // first version that changed their producer's code ran 0.78-0.97x at 4096 rows, and PDL alone
 // was not measured there.
 template <int kRows, typename T, typename Launch>
