@@ -38,20 +38,24 @@ using sm90::kTileW;
 constexpr int kStored = kBK / 2;        // stored values per weight row per step
 constexpr int kMetaWords = kBK / 32;    // offset words per weight row per step (one per MMA)
 
-// A 2:4 step in shared memory: the activation tile [kRows x 64] (128-byte swizzle), the stored
-// values [128 x 32] (64-byte swizzle) and the offset words [128 x 2]; a ring of kStages steps,
-// then one "full" and one "empty" barrier per stage.
+// A 2:4 step in shared memory: the activation tile [kRows x 64] (128-byte swizzle) and the stored
+// values [128 x 32] (64-byte swizzle); a ring of kStages steps, then the offset words, kMeta bytes
+// per stage: a group of kGroup steps starting at stage s keeps its words from s * kMeta on, row r's
+// words of step g of the group at (r * kGroup + g) * kMetaWords (so a row's words for the whole
+// group lie together and arrive in 16-byte copies); then one "full" and one "empty" barrier per
+// stage.
 template <int kRows>
 struct SpLayout {
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
   static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
   static constexpr size_t kMeta = static_cast<size_t>(kTileW) * kMetaWords * 4;
-  static constexpr size_t kStage = (kX + kA + kMeta + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
+  static constexpr size_t kStage = (kX + kA + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
   // Steps whose MMAs a warpgroup issues between two waits (see the kernel): 4, or 2 for the
   // 256-row tile, whose stages are large enough that 4 would leave the ring too few to copy into.
   static constexpr int kGroup = kRows == 256 ? 2 : 4;
-  static constexpr int kStages = static_cast<int>(216 * 1024 / kStage) / kGroup * kGroup;
-  static constexpr size_t kBarriers = kStages * kStage;
+  static constexpr int kStages = static_cast<int>(216 * 1024 / (kStage + kMeta)) / kGroup * kGroup;
+  static constexpr size_t kWords = kStages * kStage;
+  static constexpr size_t kBarriers = kWords + kStages * kMeta;
   static constexpr size_t kBytes = kBarriers + 2 * kStages * 8 + 1024;  // + slack to align the ring
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + kA);  // what the tensor copies bring per stage
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group's copies fly");
@@ -59,10 +63,13 @@ struct SpLayout {
 };
 
 // The sparse kernels' tensor maps (TMA descriptors, built on the host for each call): activation
-// tiles and stored-value tiles, in the layouts the kernels read.
+// tiles and stored-value tiles, in the layouts the kernels read. `whole_groups`: the 2:4 kernel's
+// offset words can be copied a group of steps at a time in 16-byte pieces (rows of them start
+// 16-byte aligned).
 struct SpMaps {
   CUtensorMap x;
   CUtensorMap values;
+  bool whole_groups;
 };
 
 constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 kernel
@@ -230,16 +237,34 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
                         full(s));
     };
+    // Step t's offset words go to its group's place (SpLayout). With whole_groups the group's first
+    // step brings the whole group's, 16 bytes at a time: each row's words per step cost 200 ns a
+    // step in kernels/bench/copy_probe.cu, whole groups' 33-41 ns (BENCHMARKS.md, session 19).
+    // Steps past a row's stored entries (the rounding up to whole groups) read zeros.
+    const uint32_t words = ring + static_cast<uint32_t>(L::kWords);
     auto offsets = [&](int s, int t) {
-      // Steps past a row's stored entries (the rounding up to whole groups) read zeros.
-      const bool in_row = static_cast<int64_t>(t) * kMetaWords < p.index_words;
+      const uint32_t group = words + static_cast<uint32_t>((s - s % G) * L::kMeta);
+      if (maps.whole_groups) {
+        constexpr int kPieces = G * kMetaWords / 4;  // 16-byte pieces of a row's words for a group
+        if (s % G == 0) {
 #pragma unroll
-      for (int j = 0; j < kMetaRows; ++j) {
-        const bool ok = meta_ok[j] && in_row;
-        sm90::cp_async8(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA) + (lane + 32 * j) * kMetaWords * 4,
-                        ok ? meta[j] + t * kMetaWords : p.indices, ok);
+          for (int i = lane; i < kTileW * kPieces; i += 32) {
+            const int r = i / kPieces;
+            const int64_t word = static_cast<int64_t>(t) * kMetaWords + (i % kPieces) * 4;
+            const bool ok = w0 + r < p.nout && word < p.index_words;
+            sm90::cp_async16(group + i * 16, ok ? p.indices + (w0 + r) * p.index_words + word : p.indices, ok);
+          }
+        }
+      } else {
+        const bool in_row = static_cast<int64_t>(t) * kMetaWords < p.index_words;
+#pragma unroll
+        for (int j = 0; j < kMetaRows; ++j) {
+          const bool ok = meta_ok[j] && in_row;
+          sm90::cp_async8(group + ((lane + 32 * j) * G + s % G) * kMetaWords * 4, ok ? meta[j] + t * kMetaWords : p.indices,
+                          ok);
+        }
       }
-      sm90::cp_async_arrive(full(s));
+      sm90::cp_async_arrive(full(s));  // the lane's copies so far: a step without any still arrives
     };
     produce<S, kEarly>(begin, end, lane, L::kTensorBytes, full, empty, activations, values, offsets);
   } else {
@@ -250,14 +275,14 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     uint32_t phase = 0;
     for (int t = begin; t < end; t += G) {
       uint32_t meta[G][kMetaWords];
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kWords + s * L::kMeta);  // the group's
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         sm90::mbarrier_wait(full(s + g), phase);
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + (s + g) * L::kStage + L::kX + L::kA);
 #pragma unroll
         for (int k = 0; k < kMetaWords; ++k)
-          meta[g][k] =
-              valid_metadata(__byte_perm(words[row * kMetaWords + k], words[(row + 8) * kMetaWords + k], halves));
+          meta[g][k] = valid_metadata(__byte_perm(words[(row * G + g) * kMetaWords + k],
+                                                  words[((row + 8) * G + g) * kMetaWords + k], halves));
       }
       multiply_group<L, kRows, kBf16>(acc, stage_at(s), wg, meta, empty(s), lane);
       s += G;
@@ -592,6 +617,7 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B))
     return cudaErrorInvalidValue;
+  maps.whole_groups = p.index_words % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
     return sm90::launch_tiles<wgmma_sp_kernel<T, kRows, early()>, kRows, SpLayout<kRows>::kBytes,
                               kThreads + kProducerThreads>(p, stream, splits, early(), maps);
@@ -607,6 +633,7 @@ cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int sp
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, F::kEntries, kTileW, CU_TENSOR_MAP_SWIZZLE_NONE))
     return cudaErrorInvalidValue;
+  maps.whole_groups = false;  // (not read: this kernel copies its offset words per step)
   constexpr size_t kSmem = RegroupLayout<kN, kM, kRows>::kBytes;
   constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
