@@ -260,8 +260,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
 #pragma unroll
         for (int j = 0; j < kMetaRows; ++j) {
           const bool ok = meta_ok[j] && in_row;
-          sm90::cp_async8(group + ((lane + 32 * j) * G + s % G) * kMetaWords * 4, ok ? meta[j] + t * kMetaWords : p.indices,
-                          ok);
+          sm90::cp_async8(group + ((lane + 32 * j) * G + s % G) * kMetaWords * 4,
+                          ok ? meta[j] + t * kMetaWords : p.indices, ok);
         }
       }
       sm90::cp_async_arrive(full(s));  // the lane's copies so far: a step without any still arrives
