@@ -63,13 +63,10 @@ struct SpLayout {
 };
 
 // The sparse kernels' tensor maps (TMA descriptors, built on the host for each call): activation
-// tiles and stored-value tiles, in the layouts the kernels read. `whole_groups`: the 2:4 kernel's
-// offset words can be copied a group of steps at a time in 16-byte pieces (rows of them start
-// 16-byte aligned).
+// tiles and stored-value tiles, in the layouts the kernels read.
 struct SpMaps {
   CUtensorMap x;
   CUtensorMap values;
-  bool whole_groups;
 };
 
 constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 kernel
@@ -195,11 +192,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   // A consumer thread's rows: g and g + 8 of its warp's 16, in the block's tile.
   const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
-  // Steps of kBK positions, rounded up to whole groups (the extra steps copy zeros).
-  const int64_t steps = ((p.groups * 4 + kBK - 1) / kBK + G - 1) / G * G;
-  int64_t begin64, end64;  // this block's steps (all of them unless K is split over a cluster)
-  sm90::split_steps<G>(steps, begin64, end64);
-  const int begin = static_cast<int>(begin64), end = static_cast<int>(end64);
+  int begin, end;  // this block's steps
+  sm90::split_steps<G>(p.groups * 4, begin, end);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
@@ -237,14 +231,16 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
                         full(s));
     };
-    // Step t's offset words go to its group's place (SpLayout). With whole_groups the group's first
-    // step brings the whole group's, 16 bytes at a time: each row's words per step cost 200 ns a
-    // step in kernels/bench/copy_probe.cu, whole groups' 33-41 ns (BENCHMARKS.md, session 19).
-    // Steps past a row's stored entries (the rounding up to whole groups) read zeros.
+    // Step t's offset words go to its group's place (SpLayout). Where rows of them start 16-byte
+    // aligned, the group's first step brings the whole group's, 16 bytes at a time: each row's
+    // words per step cost 200 ns a step in kernels/bench/copy_probe.cu, whole groups' 33-41 ns
+    // (BENCHMARKS.md, session 19). Steps past a row's stored entries (the rounding up to whole
+    // groups) read zeros.
     const uint32_t words = ring + static_cast<uint32_t>(L::kWords);
+    const bool whole_groups = p.index_words % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0;
     auto offsets = [&](int s, int t) {
       const uint32_t group = words + static_cast<uint32_t>((s - s % G) * L::kMeta);
-      if (maps.whole_groups) {
+      if (whole_groups) {
         constexpr int kPieces = G * kMetaWords / 4;  // 16-byte pieces of a row's words for a group
         if (s % G == 0) {
 #pragma unroll
@@ -479,10 +475,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kRegroupThreads<kN, kRows>) / 32;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
-  const int64_t steps = ((p.groups * kM + kBK - 1) / kBK + G - 1) / G * G;  // whole groups of steps
-  int64_t begin64, end64;  // this block's steps (all of them unless K is split over a cluster)
-  sm90::split_steps<G>(steps, begin64, end64);
-  const int begin = static_cast<int>(begin64), end = static_cast<int>(end64);
+  int begin, end;  // this block's steps
+  sm90::split_steps<G>(p.groups * kM, begin, end);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
@@ -617,7 +611,6 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B))
     return cudaErrorInvalidValue;
-  maps.whole_groups = p.index_words % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
     return sm90::launch_tiles<wgmma_sp_kernel<T, kRows, early()>, kRows, SpLayout<kRows>::kBytes,
                               kThreads + kProducerThreads>(p, stream, splits, early(), maps);
@@ -633,7 +626,6 @@ cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int sp
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, F::kEntries, kTileW, CU_TENSOR_MAP_SWIZZLE_NONE))
     return cudaErrorInvalidValue;
-  maps.whole_groups = false;  // (not read: this kernel copies its offset words per step)
   constexpr size_t kSmem = RegroupLayout<kN, kM, kRows>::kBytes;
   constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {

@@ -167,13 +167,16 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, Launch&& launch)
   return launch(std::integral_constant<int, 64>{}, best_split);
 }
 
-// This block's share of `steps` when a cluster of gridDim.z blocks splits them: whole groups of
-// kGroup steps, [begin, end).
+// This block's steps [begin, end) over `positions` K positions (packed groups x M): steps of kBK
+// positions, rounded up to whole groups of kGroup steps (the extra steps copy zeros), all of them
+// unless a cluster of gridDim.z blocks splits them, in whole groups.
 template <int kGroup>
-__device__ __forceinline__ void split_steps(int64_t steps, int64_t& begin, int64_t& end) {
+__device__ __forceinline__ void split_steps(int64_t positions, int& begin, int& end) {
+  const int64_t steps = ((positions + kBK - 1) / kBK + kGroup - 1) / kGroup * kGroup;
   const int64_t groups = steps / kGroup, per = (groups + gridDim.z - 1) / gridDim.z;
-  begin = min(static_cast<int64_t>(blockIdx.z) * per, groups) * kGroup;
-  end = min(begin + per * kGroup, steps);
+  const int64_t first = min(static_cast<int64_t>(blockIdx.z) * per, groups) * kGroup;
+  begin = static_cast<int>(first);
+  end = static_cast<int>(min(first + per * kGroup, steps));
 }
 
 // With K split over a cluster: every block puts its accumulators into its own shared memory
