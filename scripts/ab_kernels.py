@@ -71,7 +71,10 @@ def main() -> None:
     parser.add_argument("--path", default="decode", help="kernel path, as in nmcli bench kernels --path")
     parser.add_argument("--rows", type=int, action="append", help="activation rows (repeatable; default 1)")
     parser.add_argument("--nm", action="append", help="N:M patterns (repeatable; default 2:8 and 2:4)")
+    parser.add_argument("--shape", action="append", metavar="KxN",
+                        help="weight shape K x Nout (repeatable; default the LLaMA projections)")
     args = parser.parse_args()
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] if args.shape else SHAPES
     builds = {"new": installed}
     for spec in args.builds:
         name, so_path = spec.split("=", 1)
@@ -79,7 +82,7 @@ def main() -> None:
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     rng = np.random.default_rng(0)
     print(torch.cuda.get_device_name(0))
-    for k, n in SHAPES:
+    for k, n in shapes:
         for nm in args.nm or ["2:8", "2:4"]:
             pattern = NMPattern.parse(nm)
             w = rng.standard_normal((k, n)).astype(np.float32)

@@ -12,8 +12,9 @@
 // instruction wants from it (lanes 4g and 4g + 1 of a warp, rows g and g + 8; wgmma_ops.cuh) --
 // no expansion at all. The activation tile, block shape and epilogue are the ones of wgmma.cu
 // (wgmma_tile.cuh); the steps run in groups so that metadata registers are only written with no
-// MMA in flight (see the kernel). Measured (BENCHMARKS.md, session 17): 0.93-1.12x cuBLAS dense
-// at 4096 rows on the LLaMA shapes, 1.27-1.51x the kernel before it. Writing a step's metadata
+// MMA in flight (see the kernel). Measured (BENCHMARKS.md): 0.93-1.12x cuBLAS dense at 4096 rows
+// on the LLaMA shapes, 1.27-1.51x the kernel before it (session 17); 0.98-1.21x with the offset
+// words by tensor copy (session 20). Writing a step's metadata
 // while the previous step's MMAs ran gave wrong results with the 256-row tile, two alternating
 // sets made ptxas serialize the MMAs, and draining after every step cost 8-13% against the
 // groups. Measured and not kept (session 17): clusters of 2 weight tiles sharing one activation
@@ -42,8 +43,8 @@ constexpr int kMetaWords = kBK / 32;    // offset words per weight row per step 
 // values [128 x 32] (64-byte swizzle); a ring of kStages steps, then the offset words, kMeta bytes
 // per stage: a group of kGroup steps starting at stage s keeps its words from s * kMeta on, row r's
 // words of step g of the group at (r * kGroup + g) * kMetaWords (so a row's words for the whole
-// group lie together and arrive in 16-byte copies); then one "full" and one "empty" barrier per
-// stage.
+// group lie together: one tensor-copy box of the group's words); then one "full" and one "empty"
+// barrier per stage.
 template <int kRows>
 struct SpLayout {
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
@@ -58,16 +59,29 @@ struct SpLayout {
   static constexpr size_t kBarriers = kWords + kStages * kMeta;
   static constexpr size_t kBytes = kBarriers + 2 * kStages * 8 + 1024;  // + slack to align the ring
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + kA);  // what the tensor copies bring per stage
+  static constexpr uint32_t kGroupWordBytes = static_cast<uint32_t>(kGroup * kMeta);  // + a group's offset words
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group's copies fly");
   static_assert(kThreads * kRows / 2 * 4 <= kBarriers, "reduce_split's scratch fits in the ring");
 };
 
 // The sparse kernels' tensor maps (TMA descriptors, built on the host for each call): activation
-// tiles and stored-value tiles, in the layouts the kernels read.
+// tiles, stored-value tiles and (2:4, where offset_rows_aligned(p)) offset-word tiles, in the
+// layouts the kernels read.
 struct SpMaps {
   CUtensorMap x;
   CUtensorMap values;
+  CUtensorMap offsets;
 };
+
+// Whether rows of offset words may be copied as tensor tiles: a tensor map's row stride must be a
+// multiple of 16 bytes and its base 16-byte aligned, and a box's first element must lie on a
+// 16-byte boundary (else the copy stops the kernel with "illegal instruction"). Other rows (K = 4104
+// at 2:4, for one: 130 words a row) are copied by the producer warp's lanes with cp.async into the
+// same layout.
+template <typename T>
+__host__ __device__ bool offset_rows_aligned(const PathParams<T>& p) {
+  return p.index_words % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0;
+}
 
 constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 kernel
 // Threads that regroup the tiles of a 1:4, 2:8 or 1:8 kernel (BENCHMARKS.md, session 18): two
@@ -80,13 +94,15 @@ constexpr int kRegroupThreads = kRows == 256 || kN == 2 ? 64 : 128;
 
 // The producer warp's schedule in both kernels. Step t's copies go to stage t % S once the
 // consumers released it (`empty(s)`, phase parity): lane 0 tells the stage's `full` barrier the
-// `bytes` its tensor copies bring and issues them, activations(s, t) and values(s, t); then every
-// lane copies its share of the offset words, offsets(s, t). kEarly, for a grid launched as a
-// programmatic dependent (it may start while the previous kernel in the stream still runs): the
-// weights are constants, so the first S steps' weight copies go out at once, and their
+// bytes(s) its tensor copies bring and issues them, activations(s, t) and values(s, t) (the
+// weight tiles: values and, where they go by tensor copy, offset words); then every lane copies
+// its share of any offset words that go by cp.async, offsets(s, t). kEarly, for a grid launched
+// as a programmatic dependent (it may start while the previous kernel in the stream still runs):
+// the weights are constants, so the first S steps' weight copies go out at once, and their
 // activation tiles (which that kernel may write) once it has finished.
-template <int S, bool kEarly, typename Full, typename Empty, typename Activations, typename Values, typename Offsets>
-__device__ __forceinline__ void produce(int begin, int end, int lane, uint32_t bytes, Full&& full, Empty&& empty,
+template <int S, bool kEarly, typename Bytes, typename Full, typename Empty, typename Activations, typename Values,
+          typename Offsets>
+__device__ __forceinline__ void produce(int begin, int end, int lane, Bytes&& bytes, Full&& full, Empty&& empty,
                                         Activations&& activations, Values&& values, Offsets&& offsets) {
   int s = 0, t = begin;
   uint32_t phase = 0;
@@ -94,7 +110,7 @@ __device__ __forceinline__ void produce(int begin, int end, int lane, uint32_t b
     const int ahead = min(end - begin, S);
     for (int i = 0; i < ahead; ++i) {
       if (lane == 0) {
-        sm90::mbarrier_arrive_expect_tx(full(i), bytes);
+        sm90::mbarrier_arrive_expect_tx(full(i), bytes(i));
         values(i, begin + i);
       }
       offsets(i, begin + i);
@@ -107,7 +123,7 @@ __device__ __forceinline__ void produce(int begin, int end, int lane, uint32_t b
   for (; t < end; ++t) {
     sm90::mbarrier_wait(empty(s), phase ^ 1);  // passes at once on a stage's first use
     if (lane == 0) {
-      sm90::mbarrier_arrive_expect_tx(full(s), bytes);
+      sm90::mbarrier_arrive_expect_tx(full(s), bytes(s));
       activations(s, t);
       values(s, t);
     }
@@ -158,8 +174,9 @@ __device__ __forceinline__ uint32_t valid_metadata(uint32_t meta) {
 // One block computes a [128 weight rows x kRows activation rows] tile. Warps 0-7 (two
 // warpgroups, 64 weight rows each) only multiply; warp 8 only copies: per step one thread issues
 // two tensor copies (TMA: the activation tile and the stored values, zero-filled past every edge)
-// and the warp's 32 lanes copy the 128 rows' offset words with cp.async; all of it completes on
-// the stage's "full" barrier. The copies run up to kStages steps ahead, bounded only by the
+// and, per group of steps, one of the 128 rows' offset words (where offset_rows_aligned(p); else
+// the warp's 32 lanes copy them with cp.async per step); all of it completes on the stage's
+// "full" barrier. The copies run up to kStages steps ahead, bounded only by the
 // "empty" barriers the consumer warps arrive on when their MMAs are done with a stage: no block
 // barrier in the loop, and the two warpgroups run apart, so one issues MMAs while the other waits
 // for its own. (Until session 17 every thread issued 5 cp.async per step with 64-bit address
@@ -194,11 +211,13 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   int begin, end;  // this block's steps
   sm90::split_steps<G>(p.groups * 4, begin, end);
+  const bool tensor_offsets = offset_rows_aligned(p);  // else the producer's lanes copy them
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      sm90::mbarrier_init(full(s), 1 + kProducerThreads);  // the expected bytes, then each lane's offset words
-      sm90::mbarrier_init(empty(s), kThreads / 32);        // every consumer warp
+      // The expected bytes, then each lane's offset words where they go by cp.async.
+      sm90::mbarrier_init(full(s), 1 + (tensor_offsets ? 0 : kProducerThreads));
+      sm90::mbarrier_init(empty(s), kThreads / 32);  // every consumer warp
     }
     sm90::fence_barrier_init();
   }
@@ -214,6 +233,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     if (lane == 0) {
       sm90::tma_prefetch_map(&maps.x);
       sm90::tma_prefetch_map(&maps.values);
+      if (tensor_offsets) sm90::tma_prefetch_map(&maps.offsets);
     }
     constexpr int kMetaRows = kTileW / 32;  // weight rows whose offset words each lane copies
     const uint32_t* meta[kMetaRows];
@@ -227,42 +247,35 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     auto activations = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
     };
+    // Step t's offset words go to its group's place (SpLayout). Where rows of them may be tensor
+    // tiles, the group's first step brings the whole group's in one box of kTileW rows; else each
+    // lane copies its rows' words per step. Per row and step they cost 208 ns a step in
+    // kernels/bench/copy_probe.cu, whole groups' in 16-byte pieces 33-41 ns (BENCHMARKS.md, session
+    // 19); one box instead of those pieces made the kernel 1.01-1.16x faster at 17-64 rows and
+    // 1.05-1.11x at 4096 (session 20). Steps past a row's stored entries (the rounding up to whole
+    // groups) read zeros.
+    const uint32_t words = ring + static_cast<uint32_t>(L::kWords);
     auto values = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
                         full(s));
+      if (tensor_offsets && s % G == 0)
+        sm90::tma_load_2d(words + static_cast<uint32_t>(s * L::kMeta), &maps.offsets, t * kMetaWords * 2,
+                          static_cast<int>(w0), full(s));
     };
-    // Step t's offset words go to its group's place (SpLayout). Where rows of them start 16-byte
-    // aligned, the group's first step brings the whole group's, 16 bytes at a time: each row's
-    // words per step cost 200 ns a step in kernels/bench/copy_probe.cu, whole groups' 33-41 ns
-    // (BENCHMARKS.md, session 19). Steps past a row's stored entries (the rounding up to whole
-    // groups) read zeros.
-    const uint32_t words = ring + static_cast<uint32_t>(L::kWords);
-    const bool whole_groups = p.index_words % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0;
     auto offsets = [&](int s, int t) {
+      if (tensor_offsets) return;
       const uint32_t group = words + static_cast<uint32_t>((s - s % G) * L::kMeta);
-      if (whole_groups) {
-        constexpr int kPieces = G * kMetaWords / 4;  // 16-byte pieces of a row's words for a group
-        if (s % G == 0) {
+      const bool in_row = static_cast<int64_t>(t) * kMetaWords < p.index_words;
 #pragma unroll
-          for (int i = lane; i < kTileW * kPieces; i += 32) {
-            const int r = i / kPieces;
-            const int64_t word = static_cast<int64_t>(t) * kMetaWords + (i % kPieces) * 4;
-            const bool ok = w0 + r < p.nout && word < p.index_words;
-            sm90::cp_async16(group + i * 16, ok ? p.indices + (w0 + r) * p.index_words + word : p.indices, ok);
-          }
-        }
-      } else {
-        const bool in_row = static_cast<int64_t>(t) * kMetaWords < p.index_words;
-#pragma unroll
-        for (int j = 0; j < kMetaRows; ++j) {
-          const bool ok = meta_ok[j] && in_row;
-          sm90::cp_async8(group + ((lane + 32 * j) * G + s % G) * kMetaWords * 4,
-                          ok ? meta[j] + t * kMetaWords : p.indices, ok);
-        }
+      for (int j = 0; j < kMetaRows; ++j) {
+        const bool ok = meta_ok[j] && in_row;
+        sm90::cp_async8(group + ((lane + 32 * j) * G + s % G) * kMetaWords * 4, ok ? meta[j] + t * kMetaWords : p.indices,
+                        ok);
       }
-      sm90::cp_async_arrive(full(s));  // the lane's copies so far: a step without any still arrives
+      sm90::cp_async_arrive(full(s));
     };
-    produce<S, kEarly>(begin, end, lane, L::kTensorBytes, full, empty, activations, values, offsets);
+    auto bytes = [&](int s) { return L::kTensorBytes + (tensor_offsets && s % G == 0 ? L::kGroupWordBytes : 0u); };
+    produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
   } else {
     // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
     // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
@@ -517,7 +530,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       }
       sm90::cp_async_arrive(full(s));
     };
-    produce<S, kEarly>(begin, end, lane, L::kTensorBytes, full, empty, activations, values, offsets);
+    produce<S, kEarly>(begin, end, lane, [](int) { return L::kTensorBytes; }, full, empty, activations, values, offsets);
   } else if (!consumer) {
     // Regrouping thread i writes the chunks and metadata words of consumer threads i,
     // i + kRegroupThreads, ... (regroup_share), where those threads read them.
@@ -605,11 +618,21 @@ bool tile_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, in
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// A tensor map over the offset words (as 16-bit halves) whose boxes bring `words` words of kTileW
+// rows, where offset_rows_aligned(p) (the 2:4 kernel copies them with cp.async otherwise); false
+// where the driver refuses it.
+template <typename T>
+bool offsets_map(CUtensorMap* map, const PathParams<T>& p, int words) {
+  return !offset_rows_aligned(p) || tile_map(map, p.indices, p.index_words * 2, p.nout, p.index_words * 2, words * 2,
+                                             kTileW, CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
 template <typename T, int kRows>
 cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int splits) {
-  SpMaps maps;
+  SpMaps maps{};
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
-      !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B))
+      !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B) ||
+      !offsets_map(&maps.offsets, p, SpLayout<kRows>::kGroup * kMetaWords))
     return cudaErrorInvalidValue;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
     return sm90::launch_tiles<wgmma_sp_kernel<T, kRows, early()>, kRows, SpLayout<kRows>::kBytes,
@@ -622,7 +645,7 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
 template <typename T, int kN, int kM, int kRows>
 cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
   using F = sm90::Family<kN, kM>;
-  SpMaps maps;
+  SpMaps maps{};  // its offset words go by cp.async
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, F::kEntries, kTileW, CU_TENSOR_MAP_SWIZZLE_NONE))
     return cudaErrorInvalidValue;
