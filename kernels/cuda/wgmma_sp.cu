@@ -258,6 +258,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     auto values = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
                         full(s));
+      // Groups start at multiples of G steps, so their words on 16-byte boundaries, as a box must.
       if (tensor_offsets && s % G == 0)
         sm90::tma_load_2d(words + static_cast<uint32_t>(s * L::kMeta), &maps.offsets, t * kMetaWords * 2,
                           static_cast<int>(w0), full(s));
@@ -269,8 +270,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
 #pragma unroll
       for (int j = 0; j < kMetaRows; ++j) {
         const bool ok = meta_ok[j] && in_row;
-        sm90::cp_async8(group + ((lane + 32 * j) * G + s % G) * kMetaWords * 4, ok ? meta[j] + t * kMetaWords : p.indices,
-                        ok);
+        sm90::cp_async8(group + ((lane + 32 * j) * G + s % G) * kMetaWords * 4,
+                        ok ? meta[j] + t * kMetaWords : p.indices, ok);
       }
       sm90::cp_async_arrive(full(s));
     };
@@ -530,7 +531,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       }
       sm90::cp_async_arrive(full(s));
     };
-    produce<S, kEarly>(begin, end, lane, [](int) { return L::kTensorBytes; }, full, empty, activations, values, offsets);
+    auto bytes = [](int) { return L::kTensorBytes; };
+    produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
   } else if (!consumer) {
     // Regrouping thread i writes the chunks and metadata words of consumer threads i,
     // i + kRegroupThreads, ... (regroup_share), where those threads read them.
