@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     // tiles, the group's first step brings the whole group's in one box of kTileW rows; else each
     // lane copies its rows' words per step. Per row and step they cost 208 ns a step in
     // kernels/bench/copy_probe.cu, whole groups' in 16-byte pieces 33-41 ns (BENCHMARKS.md, session
-    // 19); one box instead of those pieces made the kernel 1.01-1.16x faster at 17-64 rows and
+    // 19); one box instead of those pieces made the kernel 1.00-1.16x faster at 17-64 rows and
     // 1.05-1.11x at 4096 (session 20). Steps past a row's stored entries (the rounding up to whole
     // groups) read zeros.
     const uint32_t words = ring + static_cast<uint32_t>(L::kWords);
