@@ -114,17 +114,17 @@ def _sets_for(l2_bytes: int, bytes_per_set: int) -> int:
     return int(min(64, max(2, -(-4 * l2_bytes // max(bytes_per_set, 1)))))
 
 
-def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str) -> str | None:
+def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, vector: int = 0) -> str | None:
     """The path a call runs on: the dispatch's choice for "auto", else `path` if it can run it."""
     from . import _kernels
 
     if path == "auto":
-        return _kernels.cuda_path(m, pattern.n, pattern.m, k, n, dtype)
-    return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype, k) else None
+        return _kernels.cuda_path(m, pattern.n, pattern.m, k, n, dtype, vector)
+    return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype, k, vector) else None
 
 
 def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float, l2_bytes: int,
-                replays: int = 20, rng=None, path: str = "auto") -> KernelRow:
+                replays: int = 20, rng=None, path: str = "auto", vector: int = 0) -> KernelRow:
     from . import _kernels
 
     rng = rng or np.random.default_rng()
@@ -133,7 +133,7 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
     shape = PackedShape(k, n, pattern)
     # One packed weight from real random data, replicated on the device per set (same bytes).
     w = rng.standard_normal((k, n)).astype(np.float32)
-    packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
+    packed = pack(w, choose_offsets(np.abs(w), pattern, vector), pattern)
     values = torch.from_numpy(packed.values).to("cuda", tdtype)
     indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
     per_set = values.numel() * itemsize + indices.numel() * 4 + (m * k + m * n) * itemsize
@@ -142,7 +142,7 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
     ids = [indices.clone() for _ in range(sets)]
     xs = [torch.randn(m, k, device="cuda", dtype=tdtype) for _ in range(sets)]
     ys = [torch.empty(m, n, device="cuda", dtype=tdtype) for _ in range(sets)]
-    chosen = path_for(m, k, n, pattern, dtype, path)
+    chosen = path_for(m, k, n, pattern, dtype, path, vector)
     if chosen is None:
         raise NmcliError(f"the {path} path cannot run {m}x{k}x{n} {pattern} {dtype}")
 
@@ -150,7 +150,7 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
         stream = torch.cuda.current_stream().cuda_stream
         for i in range(sets):
             _kernels.nm_matmul_cuda(xs[i].data_ptr(), vs[i].data_ptr(), ids[i].data_ptr(), 0, ys[i].data_ptr(), m,
-                                    pattern.n, pattern.m, k, n, dtype, 1.0, stream, chosen)
+                                    pattern.n, pattern.m, k, n, dtype, 1.0, stream, chosen, vector=vector)
 
     ours_ms = _time_graph(torch, ours, replays) / sets
     del vs, ids

@@ -77,6 +77,9 @@ EXCLUDE_HELP = "Skip layers whose node or weight name matches this regex (repeat
 MIN_SIZE_HELP = "Skip weights with fewer elements than this."
 PERMUTE_HELP = ("Reorder input channels before N:M grouping where it keeps more of the criterion score "
                 "(one Gather of the activation per call; outputs equal the dense model with the same weights).")
+VECTOR_HELP = ("Vector-wise N:M: aligned blocks of this many output columns keep the same positions (0: "
+               "each column its own). A multiple of 32 runs fp32 models on the GPU's vector-wise tensor-core "
+               "path; magnitude and wanda only.")
 FUSE_HELP = ("Merge MatMuls that read the same activation (Q/K/V, gate/up) into one op that writes each "
              "original output, and move a residual Add after an op and a SiLU-gated product or an RMSNorm "
              "before it into the op: fewer, wider kernel calls.")
@@ -100,6 +103,7 @@ def prune(
     bias_correct: bool = typer.Option(False, "--bias-correct", help="Add to each pruned layer's bias the mean change "
                                                                    "of its output on the calibration inputs (any method)."),
     fuse: bool = typer.Option(True, "--fuse/--no-fuse", help=FUSE_HELP),
+    vector: int = typer.Option(0, "--vector", help=VECTOR_HELP),
     include: List[str] = typer.Option([], "--include", help=INCLUDE_HELP),
     exclude: List[str] = typer.Option([], "--exclude", help=EXCLUDE_HELP),
     min_size: int = typer.Option(0, "--min-size", min=0, help=MIN_SIZE_HELP),
@@ -119,14 +123,15 @@ def prune(
     feeds = _calibration(dense, criterion, calib, calib_samples, calib_tokens, bias_correct)
     with err.status("searching channel orders (--permute)") if permute else contextlib.nullcontext():
         pruned, report = prune_model(dense, selection, criterion=criterion, calibration=feeds, permute=permute,
-                                     fuse=fuse, bias_correct=bias_correct)
+                                     fuse=fuse, bias_correct=bias_correct, vector=vector)
     _check(pruned)
     written = save_model(pruned, output)
     if as_json:
         print(json.dumps({"input": str(model), "output": str(output), "files": [str(p) for p in written],
                           **report.to_dict()}, indent=2))
         return
-    out.print(report.table(f"{model.name} -> {output.name}  ({pattern}, {report.method})"))
+    how = f"{pattern}, {report.method}" + (f", vector {vector}" if vector else "")
+    out.print(report.table(f"{model.name} -> {output.name}  ({how})"))
     skipped = report.skipped_table()
     if skipped is not None:
         out.print(skipped)
@@ -355,8 +360,10 @@ def bench_kernels(
     rows: List[int] = typer.Option([], "--rows", min=1, help="Activation row counts to time on the shapes' K x N, "
                                                            "instead of their own (repeatable)."),
     replays: int = typer.Option(20, "--replays", min=3, help="Timed graph replays per measurement (median)."),
-    path: str = typer.Option("auto", "--path", help="auto (the dispatch's choice), decode, mma, wgmma, wgmma_sp or tiled; "
-                                                   "calls a forced path cannot run are skipped."),
+    path: str = typer.Option("auto", "--path", help="auto (the dispatch's choice), decode, mma, wgmma, wgmma_sp, "
+                                                   "vector or tiled; calls a forced path cannot run are skipped."),
+    vector: int = typer.Option(0, "--vector", min=0, help="Prune the timed weights vector-wise, blocks of this many "
+                                                         "columns (as prune --vector; the op is told so)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
 ):
     """Time nmcli's CUDA kernels against cuBLAS dense (CUDA-graph replay, weights rotated past L2)."""
@@ -369,11 +376,13 @@ def bench_kernels(
         raise NmcliError(f"--dtype must be float16, bfloat16 or float32, not '{dtype}'")
     if shapes not in ("all", "llama", "nmsparse"):
         raise NmcliError(f"--shapes must be all, llama or nmsparse, not '{shapes}'")
-    if path not in ("auto", "decode", "mma", "wgmma", "wgmma_sp", "tiled"):
-        raise NmcliError(f"--path must be auto, decode, mma, wgmma, wgmma_sp or tiled, not '{path}'")
+    if path not in ("auto", "decode", "mma", "wgmma", "wgmma_sp", "vector", "tiled"):
+        raise NmcliError(f"--path must be auto, decode, mma, wgmma, wgmma_sp, vector or tiled, not '{path}'")
+    if vector == 1:
+        raise NmcliError("--vector must be 0 (element-wise) or at least 2")
     torch = bk.require_gpu()
     todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse", rows)
-            for p in patterns if bk.path_for(*s, p, dtype, path)]
+            for p in patterns if bk.path_for(*s, p, dtype, path, vector)]
     if not todo:
         raise NmcliError(f"the {path} path runs none of the selected shapes")
     props = torch.cuda.get_device_properties(0)
@@ -384,13 +393,14 @@ def bench_kernels(
         for (m, k, n), pattern in todo:
             progress.update(task, description=f"{m}x{k}x{n} {pattern}")
             results.append(bk.bench_shape(torch, m, k, n, pattern, dtype, copy_gbps, props.L2_cache_size, replays,
-                                          path=path))
+                                          path=path, vector=vector))
             progress.advance(task)
     if as_json:
-        print(json.dumps({"gpu": props.name, "copy_gbps": copy_gbps, "dtype": dtype, "rows": bk.as_dicts(results)},
-                         indent=2))
+        print(json.dumps({"gpu": props.name, "copy_gbps": copy_gbps, "dtype": dtype, "vector": vector,
+                          "rows": bk.as_dicts(results)}, indent=2))
         return
-    table = Table(title=f"{props.name}: nmcli kernels vs cuBLAS dense ({dtype}; copy bandwidth {copy_gbps:.0f} GB/s)",
+    how = dtype + (f", vector {vector}" if vector else "")
+    table = Table(title=f"{props.name}: nmcli kernels vs cuBLAS dense ({how}; copy bandwidth {copy_gbps:.0f} GB/s)",
                   header_style="bold")
     for col in ("M", "K", "N", "N:M", "path", "ours ms", "cuBLAS ms", "speedup", "GB/s", "% copy BW", "TFLOP/s",
                 "cuBLAS TFLOP/s"):

@@ -166,6 +166,13 @@ def from_arrays(values: np.ndarray, indices: np.ndarray, n: int, m: int, k: int)
     return PackedWeight(values, indices, shape)
 
 
+def shares_offsets(indices: np.ndarray, vector: int) -> bool:
+    """Whether the rows of `indices` [Nout, words] are equal within every aligned block of
+    `vector` rows: what the op's `vector` attribute promises (docs/FORMAT.md)."""
+    leaders = (np.arange(indices.shape[0]) // vector) * vector
+    return bool(np.array_equal(indices, indices[leaders]))
+
+
 def _pack_fields(fields: np.ndarray, bits: int) -> np.ndarray:
     """[rows, S] small ints -> uint32 [rows, S*bits/32], little-endian bit strings."""
     rows, s = fields.shape

@@ -70,14 +70,24 @@ class SparseGPT(Wanda):
 CRITERIA: dict[str, type] = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT}
 
 
-def choose_offsets(scores: np.ndarray, pattern: NMPattern) -> np.ndarray:
+def choose_offsets(scores: np.ndarray, pattern: NMPattern, vector: int = 0) -> np.ndarray:
     """Top-N offsets per group of M along K: scores [K, Nout] -> int64 [Nout, G, N], sorted.
 
     Ties go to the lower offset, so the choice is deterministic. Positions past K (the
     partial last group) score -inf and are kept only when the group has fewer than N real
     positions; the format stores zeros there.
+
+    With `vector` > 1 the choice is vector-wise (nmSPARSE, NM-SpMM): the columns of each aligned
+    block of `vector` (the last one may be narrower) keep the same positions, those with the
+    highest score summed over the block.
     """
     k, nout = scores.shape
+    if vector > 1:
+        blocks = -(-nout // vector)
+        summed = np.zeros((k, blocks * vector))
+        summed[:, :nout] = scores
+        offsets = choose_offsets(summed.reshape(k, blocks, vector).sum(axis=-1), pattern)
+        return np.repeat(offsets, vector, axis=0)[:nout]
     groups = -(-k // pattern.m)
     padded = np.full((groups * pattern.m, nout), -np.inf)
     padded[:k] = np.nan_to_num(scores.astype(np.float64), nan=-np.inf)

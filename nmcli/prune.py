@@ -99,10 +99,11 @@ def get_criterion(method: str) -> MaskCriterion:
         raise NmcliError(f"unknown pruning method '{method}' (choose from: {', '.join(CRITERIA)})") from None
 
 
-def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, scores: np.ndarray
+def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, scores: np.ndarray, vector: int = 0
                  ) -> tuple[nmformat.PackedWeight, float]:
-    """Pack one weight [K, Nout] keeping the top scores; returns it and ||W - W'|| / ||W||."""
-    offsets = choose_offsets(scores, pattern)
+    """Pack one weight [K, Nout] keeping the top scores (shared by blocks of `vector` columns
+    when > 1); returns it and ||W - W'|| / ||W||."""
+    offsets = choose_offsets(scores, pattern, vector)
     packed = nmformat.pack(weight, offsets, pattern)
     return packed, _rel_error(weight, packed)
 
@@ -128,7 +129,7 @@ def _rel_error(weight: np.ndarray, packed: nmformat.PackedWeight) -> float:
 
 def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "magnitude",
                 criterion: MaskCriterion | None = None, calibration: list[dict] | None = None,
-                permute: bool = False, fuse: bool = True, bias_correct: bool = False
+                permute: bool = False, fuse: bool = True, bias_correct: bool = False, vector: int = 0
                 ) -> tuple[onnx.ModelProto, PruneReport]:
     """Return a pruned copy of `model` (the input is not modified) and the per-layer report.
 
@@ -138,13 +139,21 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     `fuse`: MatMuls that read the same activation become one op with one output each (_sibling_groups),
     and residual adds, gated activations and RMSNorms next to an op move into it (fusion.py).
     `bias_correct`: each op's bias also gets `_bias_correction`, from the calibration means
-    (any method; needs `calibration`)."""
+    (any method; needs `calibration`).
+    `vector` > 1: vector-wise N:M (masks.choose_offsets): aligned blocks of that many output
+    columns keep the same positions, and the op node says so (attribute `vector`,
+    docs/FORMAT.md) where its blocks line up with the op's columns."""
     criterion = criterion or get_criterion(method)
+    if vector < 0 or vector == 1:
+        raise NmcliError(f"--vector must be 0 (element-wise) or at least 2, got {vector}")
+    if vector and getattr(criterion, "needs_gram", False):
+        raise NmcliError(f"--vector is not supported with --method {criterion.name}: its error compensation "
+                         "chooses positions column by column (use magnitude or wanda)")
     out = onnx.ModelProto()
     out.CopyFrom(model)
     candidates = find_candidates(out, selection)
     chosen = [c for c in candidates if c.weight is not None]
-    report = PruneReport(pattern=str(selection.pattern), method=criterion.name,
+    report = PruneReport(pattern=str(selection.pattern), method=criterion.name, vector=vector,
                          skipped=[SkipReport(c.name, c.weight_name, c.skip_reason) for c in candidates if c.weight is None])
     if not chosen:
         why = "no MatMul/Gemm nodes" if not candidates else "no MatMul/Gemm node with a prunable constant weight"
@@ -188,7 +197,7 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
             weight, score = cand.weight, score_of(key)
             if perm is not None:
                 weight, score = weight[perm], score[perm]
-            packed, rel_error = prune_weight(weight, selection.pattern, score)
+            packed, rel_error = prune_weight(weight, selection.pattern, score, vector)
             del score
         base = cand.weight_name + (".T" if key[1] else "")
         entry = PrunedWeight(packed, unique_name(base + ".nm_values", taken), unique_name(base + ".nm_indices", taken),
@@ -209,11 +218,11 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
         group = group_of.get(id(cand.node))
         if group is None:
             replacements[id(cand.node)] = _rewrite_node(cand, pruned[cand.weight_key], graph, taken, gathers,
-                                                        corrections.get(id(cand.node)))
+                                                        corrections.get(id(cand.node)), vector)
         elif cand is group[0]:
             parts = [corrections[id(c.node)] for c in group] if corrections else None
             replacements.update(_fuse(group, [pruned[c.weight_key] for c in group], graph, taken, gathers,
-                                      None if parts is None else np.concatenate(parts)))
+                                      None if parts is None else np.concatenate(parts), vector))
     new_nodes = []
     for node in graph.node:
         new_nodes.extend(replacements.get(id(node), [node]))
@@ -282,13 +291,16 @@ def _normalised(scores: np.ndarray) -> np.ndarray:
 
 
 def _rewrite_node(cand: Candidate, entry: PrunedWeight, graph: onnx.GraphProto, taken: set[str],
-                  gathers: dict[tuple[str, str], str], correction: np.ndarray | None = None) -> list[onnx.NodeProto]:
+                  gathers: dict[tuple[str, str], str], correction: np.ndarray | None = None,
+                  vector: int = 0) -> list[onnx.NodeProto]:
     """The op node (plus a Transpose for Gemm transA, a Gather for a channel order, bias nodes).
 
     `gathers` (activation, perm) -> gathered name lets nodes that read the same activation in
     the same order share one Gather. `correction` [Nout] is added to the op's bias."""
     node, shape = cand.node, entry.packed.shape
     attrs = dict(n=shape.pattern.n, m=shape.pattern.m, k=shape.k)
+    if vector > 1:
+        attrs["vector"] = vector
     inputs = [node.input[0], entry.values_name, entry.indices_name]
     pre, post = [], []
     output = node.output[0]
@@ -331,13 +343,16 @@ def _sibling_groups(chosen: list[Candidate], pruned: dict, sharing: dict) -> lis
 
 
 def _fuse(group: list[Candidate], entries: list[PrunedWeight], graph: onnx.GraphProto, taken: set[str],
-          gathers: dict, correction: np.ndarray | None = None) -> dict[int, list[onnx.NodeProto]]:
+          gathers: dict, correction: np.ndarray | None = None, vector: int = 0) -> dict[int, list[onnx.NodeProto]]:
     """Node replacements for one sibling group: the first node becomes one op on the
     concatenated weight that writes every original output itself (attribute `splits`: the
     columns of each), the others go. The packed format stores one row per output column, so
-    concatenating rows is exact, and no Split has to copy the parts apart afterwards."""
+    concatenating rows is exact, and no Split has to copy the parts apart afterwards. Each
+    part's vector blocks start at its first column: they stay aligned blocks of the op's
+    columns when every part but the last is a whole number of blocks."""
     shape = entries[0].packed.shape
     sizes = [e.packed.shape.nout for e in entries]
+    shared = {"vector": vector} if vector > 1 and all(size % vector == 0 for size in sizes[:-1]) else {}
     values = np.concatenate([e.packed.values for e in entries])
     indices = np.concatenate([e.packed.indices for e in entries])
     base = unique_name("+".join(c.weight_name for c in group)[:200] + ".nm_fused", taken)
@@ -351,7 +366,7 @@ def _fuse(group: list[Candidate], entries: list[PrunedWeight], graph: onnx.Graph
         inputs.append(_bias_initializer(correction, values.dtype, base + "_bias", graph, taken))
     core = helper.make_node(OP_TYPE, inputs, [c.node.output[0] for c in group],
                             name="+".join(c.name for c in group), domain=OP_DOMAIN, n=shape.pattern.n,
-                            m=shape.pattern.m, k=shape.k, splits=sizes)
+                            m=shape.pattern.m, k=shape.k, splits=sizes, **shared)
     replaced = {id(c.node): [] for c in group[1:]}
     replaced[id(group[0].node)] = pre + [core]
     return replaced

@@ -37,6 +37,7 @@ class PruneReport:
     skipped: list[SkipReport] = field(default_factory=list)
     fused: dict[str, int] = field(default_factory=dict)  # neighbours moved into ops, by kind (fusion.py)
     bias_corrected: int = 0  # nodes whose bias got prune._bias_correction
+    vector: int = 0  # columns per block sharing positions (0: element-wise)
 
     def _unique_layers(self) -> list[LayerReport]:
         seen, out = set(), []
@@ -61,6 +62,7 @@ class PruneReport:
             "skipped": [asdict(s) for s in self.skipped],
             "fused": dict(self.fused),
             "bias_corrected": self.bias_corrected,
+            "vector": self.vector,
             "totals": {"layers": len(self.layers), "weights": len(self._unique_layers()),
                        "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
                        "compression": self.bytes_before / self.bytes_after if self.bytes_after else None},

@@ -61,6 +61,10 @@ NMMatMulAttrs NMMatMulAttrs::read(const OrtKernelInfo* info) {
   float epsilon = 0.0f;
   if (OrtStatus* absent = api.KernelInfoGetAttribute_float(info, "norm_epsilon", &epsilon)) api.ReleaseStatus(absent);
   else a.norm_epsilon = epsilon;
+  int64_t vector = 0;  // absent for element-wise offsets
+  if (OrtStatus* absent = api.KernelInfoGetAttribute_int64(info, "vector", &vector)) api.ReleaseStatus(absent);
+  else a.vector = vector;
+  if (a.vector < 0) fail("attribute vector must be >= 0, got " + std::to_string(a.vector));
   if (a.rms_norm && a.glu != Glu::none) fail("glu and norm exclude each other");
   if (a.splits.size() > static_cast<size_t>(kMaxOutputParts))
     fail("at most " + std::to_string(kMaxOutputParts) + " splits, got " + std::to_string(a.splits.size()));

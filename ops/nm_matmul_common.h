@@ -35,6 +35,7 @@ struct NMMatMulAttrs {
   Glu glu = Glu::none;
   bool rms_norm = false;
   float norm_epsilon = 0.0f;
+  int64_t vector = 0;  // columns per aligned block sharing one offsets row (0: none promised)
   static NMMatMulAttrs read(const OrtKernelInfo* info);
 };
 

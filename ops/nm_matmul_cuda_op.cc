@@ -56,6 +56,7 @@ struct CudaKernel {
       m.y = call.outputs(ctx);
       m.rows = call.rows;
       m.alpha = attrs_.alpha;
+      m.vector = attrs_.vector;
       m.shape = call.shape;
       void* stream = ctx.GetGPUComputeStream();
       // A gated or normalised call off the decode path writes A into a workspace first: from

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import FAMILIES
 
-from nmcli.format import NMPattern, pack, unpack
+from nmcli.format import NMPattern, pack, shares_offsets, unpack
 from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio, gated_activation, relative_error, rms_normalised
 
@@ -21,7 +21,7 @@ def to_device(array, dtype_name):
     return t.to("cuda", TORCH_DTYPE[dtype_name] if array.dtype.kind == "f" else None)
 
 
-def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None):
+def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None, vector=0):
     """The op's output as float64 parts: one [rows, Nout], or one per width (consecutive
     columns in separate tensors, as a fused sibling group writes them). Outputs start poisoned."""
     k, nout = packed.shape.k, packed.shape.nout
@@ -34,7 +34,7 @@ def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None):
     y_arg = [y.data_ptr() for y in ys] if widths else ys[0].data_ptr()
     kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), bd.data_ptr() if bd is not None else 0,
                            y_arg, rows, packed.shape.pattern.n, packed.shape.pattern.m, k, nout, dtype_name,
-                           alpha, torch.cuda.current_stream().cuda_stream, path, widths or [])
+                           alpha, torch.cuda.current_stream().cuda_stream, path, widths or [], vector=vector)
     torch.cuda.synchronize()
     return [y.float().cpu().numpy().astype(np.float64) for y in ys]
 
@@ -46,10 +46,11 @@ def random_array(rng, shape, dtype_name):
     return torch.from_numpy(a).to(torch.bfloat16).float().numpy() if dtype_name == "bfloat16" else a
 
 
-def random_case(rng, pattern, rows, k, nout, dtype_name):
-    """Fresh x [rows, K], packed W (magnitude-pruned) and bias."""
+def random_case(rng, pattern, rows, k, nout, dtype_name, vector=0):
+    """Fresh x [rows, K], packed W (magnitude-pruned; vector-wise in blocks of `vector` columns
+    when > 1) and bias."""
     w, x, bias = (random_array(rng, shape, dtype_name) for shape in ((k, nout), (rows, k), nout))
-    return x, pack(w, choose_offsets(np.abs(w), pattern), pattern), bias
+    return x, pack(w, choose_offsets(np.abs(w), pattern, vector), pattern), bias
 
 
 def paths_for(rows, pattern, dtype_name, k):
@@ -90,6 +91,54 @@ def test_cuda_paths_write_split_outputs(rng, dtype_name, rows, k, widths):
             cols = slice(start, start + width)
             assert error_ratio(got, ref[:, cols], magnitude[:, cols], dtype_name, k) < 1, (path, width)
             start += width
+
+
+@pytest.mark.parametrize("n,m", [(16, 32), (8, 32), (4, 32), (2, 4), (2, 8), (1, 8), (1, 4), (4, 16), (1, 2)])
+@pytest.mark.parametrize("rows,k,nout,vector", [(17, 132, 100, 32), (200, 4100, 300, 64), (129, 64, 33, 32),
+                                                (1100, 264, 3900, 32), (300, 8, 96, 96), (40, 2052, 257, 32)])
+def test_vector_path_matches_reference(rng, n, m, rows, k, nout, vector):
+    """fp32 weights whose columns share offsets in blocks (prune --vector) on the vector-wise
+    tensor-core path (3xTF32), forced and as the dispatch's choice, into poisoned outputs: K not
+    a multiple of the stage, rows and columns not multiples of the tile, partial last blocks."""
+    pattern = NMPattern(n, m)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, "float32", vector)
+    assert shares_offsets(packed.indices, vector)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    assert kernels.cuda_path(rows, n, m, k, nout, "float32", vector) == "vector"
+    assert kernels.cuda_path(rows, n, m, k, nout, "float32") != "vector"  # nothing promised
+    for path in ("vector", "auto"):
+        [y] = run_cuda(x, packed, bias, 0.75, "float32", path, vector=vector)
+        assert error_ratio(y, ref, magnitude, "float32", k) < 1, path
+
+
+def test_vector_path_split_outputs_residual_and_gate(rng):
+    """The vector-wise path writes a fused group's column ranges, and adds a residual to a
+    gated activation's product (written to the workspace first)."""
+    pattern, rows, k = NMPattern(2, 8), 70, 520
+    widths = [96, 32, 64]
+    x, packed, bias = random_case(rng, pattern, rows, k, sum(widths), "float32", 32)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    start = 0
+    for got, width in zip(run_cuda(x, packed, bias, 0.75, "float32", "vector", widths, vector=32), widths):
+        cols = slice(start, start + width)
+        assert error_ratio(got, ref[:, cols], magnitude[:, cols], "float32", k) < 1, width
+        start += width
+    nout = sum(widths)
+    x_up, residual = random_array(rng, (rows, k), "float32"), random_array(rng, (rows, nout), "float32")
+    ref, magnitude = dense_reference(gated_activation(x, x_up), unpack(packed), bias, 0.75, residual=residual)
+    xd, ud, rd = (to_device(a, "float32") for a in (x, x_up, residual))
+    vd, bd = to_device(packed.values, "float32"), to_device(bias, "float32")
+    idx = torch.from_numpy(packed.indices.view(np.int32)).cuda()
+    need = kernels.cuda_workspace_bytes(rows, 2, 8, k, nout, "float32", "silu", "vector")
+    workspace = torch.empty(need, dtype=torch.uint8, device="cuda")
+    y = torch.full((rows, nout), float("nan"), device="cuda")
+    kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), bd.data_ptr(), y.data_ptr(), rows, 2, 8, k,
+                           nout, "float32", 0.75, torch.cuda.current_stream().cuda_stream, "vector",
+                           residual=rd.data_ptr(), x_up=ud.data_ptr(), glu="silu", workspace=workspace.data_ptr(),
+                           vector=32)
+    torch.cuda.synchronize()
+    got = y.cpu().numpy().astype(np.float64)
+    assert error_ratio(got, ref, magnitude, "float32", k, rounded_input=True) < 1
 
 
 @pytest.mark.parametrize("prologue", ["glu", "norm"])
@@ -202,25 +251,28 @@ def test_ort_cuda_llama_block_with_fused_neighbours(rng):
                 assert relative_error(y_dev.numpy(), expected.astype(np.float64)) < 3e-3, (tokens, graph)
 
 
-def _pruned_block(rng, dtype, permute=False, fuse=True):
+def _pruned_block(rng, dtype, permute=False, fuse=True, vector=0):
     import nmcli
     from nmcli.toymodels import transformer_block
     model, _ = transformer_block(rng, hidden=256, ffn=688, dtype=dtype)
-    pruned, _ = nmcli.prune_model(model, nmcli.Selection(nmcli.NMPattern(2, 8)), permute=permute, fuse=fuse)
+    pruned, _ = nmcli.prune_model(model, nmcli.Selection(nmcli.NMPattern(2, 8)), permute=permute, fuse=fuse,
+                                  vector=vector)
     return pruned
 
 
-@pytest.mark.parametrize("dtype,permute,fuse", [(np.float16, False, True), (np.float32, False, True),
-                                                (np.float16, True, True), (np.float16, False, False)])
-def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype, permute, fuse):
+@pytest.mark.parametrize("dtype,permute,fuse,vector", [(np.float16, False, True, 0), (np.float32, False, True, 0),
+                                                       (np.float16, True, True, 0), (np.float16, False, False, 0),
+                                                       (np.float32, False, True, 32)])
+def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype, permute, fuse, vector):
     import onnx
     import onnxruntime as ort
 
     import nmcli
-    pruned = _pruned_block(rng, dtype, permute, fuse)
+    pruned = _pruned_block(rng, dtype, permute, fuse, vector)
     assert any(n.op_type == "Gather" for n in pruned.graph.node) == permute
     assert any(len(n.output) > 1 for n in pruned.graph.node if n.op_type == "NMMatMul") == fuse
-    x = rng.standard_normal((2, 5, 256)).astype(dtype)
+    # vector: 40 rows, past the decode path, so the promised blocks reach the vector-wise path
+    x = rng.standard_normal((2, 20 if vector else 5, 256)).astype(dtype)
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     # ORT's own fp32 MatMuls (attention scores) run in TF32 unless told not to; we compare exact math.

@@ -49,7 +49,8 @@ OutputParts<void> parse_outputs(const py::object& y, const std::vector<int64_t>&
 
 CudaPath parse_path(const std::string& name) {
   CudaPath path;
-  if (!path_from_name(name.c_str(), &path)) throw std::invalid_argument("path must be auto, decode, tiled, mma, wgmma or wgmma_sp");
+  if (!path_from_name(name.c_str(), &path))
+    throw std::invalid_argument("path must be auto, decode, tiled, mma, wgmma, wgmma_sp or vector");
   return path;
 }
 
@@ -62,7 +63,7 @@ void register_cuda_bindings(py::module_& mod) {
       [](uintptr_t x, uintptr_t values, uintptr_t indices, uintptr_t bias, const py::object& y, int64_t rows, int n, int m,
          int64_t k, int64_t nout, const std::string& dtype, float alpha, uintptr_t stream, const std::string& path,
          const std::vector<int64_t>& splits, uintptr_t residual, uintptr_t x_up, const std::string& glu,
-         uintptr_t workspace, uintptr_t norm_weight, float norm_epsilon) {
+         uintptr_t workspace, uintptr_t norm_weight, float norm_epsilon, int64_t vector) {
         if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m");
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
@@ -83,6 +84,8 @@ void register_cuda_bindings(py::module_& mod) {
         call.rows = rows;
         call.alpha = alpha;
         call.shape = NMShape::make(k, nout, n, m);
+        if (vector < 0) throw std::invalid_argument("vector must be >= 0");
+        call.vector = vector;
         const CudaPath chosen = parse_path(path);
         if (!path_supported(call, chosen)) throw std::invalid_argument("path " + path + " does not support this call");
         if (nm_matmul_cuda_workspace_bytes(call, chosen) > 0 && workspace == 0)
@@ -94,10 +97,10 @@ void register_cuda_bindings(py::module_& mod) {
       py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("alpha") = 1.0f, py::arg("stream") = 0,
       py::arg("path") = "auto", py::arg("splits") = std::vector<int64_t>{}, py::arg("residual") = 0,
       py::arg("x_up") = 0, py::arg("glu") = "none", py::arg("workspace") = 0, py::arg("norm_weight") = 0,
-      py::arg("norm_epsilon") = 0.0f,
+      py::arg("norm_epsilon") = 0.0f, py::arg("vector") = 0,
       "Launch on device pointers (bias, residual may be 0; y one pointer, or a list with `splits`, the columns "
       "each holds; glu='silu' multiplies silu(x) * x_up, norm_weight normalises x by its RMS; both need "
-      "`workspace` on some paths). Asynchronous on "
+      "`workspace` on some paths; vector: columns promised to share offsets in blocks of this many). Asynchronous on "
       "`stream`; no allocation.");
   mod.def(
       "cuda_workspace_bytes",
@@ -141,26 +144,30 @@ void register_cuda_bindings(py::module_& mod) {
       py::arg("device") = 0, "(free, total) bytes of device memory, all processes and contexts included.");
   mod.def(
       "cuda_path",
-      [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype) {
+      [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype, int64_t vector) {
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
         call.rows = rows;
         call.shape = NMShape::make(k, nout, n, m);
+        call.vector = vector;
         return std::string(path_name(choose_path(call)));
       },
       py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype") = "float16",
+      py::arg("vector") = 0,
       "The path the automatic dispatch takes for this call.");
   mod.def(
       "cuda_path_supported",
-      [](const std::string& path, int64_t rows, int n, int m, const std::string& dtype, int64_t k) {
+      [](const std::string& path, int64_t rows, int n, int m, const std::string& dtype, int64_t k, int64_t vector) {
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
         call.rows = rows;
         call.shape = NMShape::make(k > 0 ? k : 8 * m, 1, n, m);
+        call.vector = vector;
         return path_supported(call, parse_path(path));
       },
       py::arg("path"), py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("dtype"), py::arg("k") = 0,
-      "Whether a path (decode, tiled, mma, wgmma, wgmma_sp) can run calls of this kind (K = k, or a multiple of 8 when 0).");
+      py::arg("vector") = 0,
+      "Whether a path (decode, tiled, mma, wgmma, wgmma_sp, vector) can run calls of this kind (K = k, or a multiple of 8 when 0).");
 }
 
 }  // namespace nmcli

@@ -22,8 +22,13 @@
 //    decode 1.06-1.33x the mma path for 2:8 and 1:8 with K = 4096; mma ahead at 2:4 and at
 //    K = 11008 or 14336, where decode stages K in two chunks); else decode up to 16 rows and the
 //    tiled SIMT path above.
+//  * fp32 weights whose columns share offsets in blocks of 32 (`vector`): from 17 rows the
+//    vector-wise tensor-core path (vector_tf32.cu) where it applies. Session 21 (scratch timing
+//    of both paths at 17, 64, 128, 256 rows on 4096x4096, 11008x4096, 4096x14336; 2:4, 2:8,
+//    1:8): 1.86-11.7x the tiled path it replaces at every point. 1..16 rows stay on decode.
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include "kernels.cuh"
 #include "nm_matmul_cuda.h"
 
@@ -78,6 +83,9 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
     p.norm_weight = nullptr;
   }
   if (path == CudaPath::mma) return run_mma<T>(p, stream);
+  if constexpr (std::is_same_v<T, float>) {
+    if (path == CudaPath::vector) return run_vector_tf32(p, stream);
+  }
 #if defined(NMCLI_WITH_SM90A)
   if (path == CudaPath::wgmma) return run_wgmma<T>(p, stream);
   if (path == CudaPath::wgmma_sp) return run_wgmma_sp<T>(p, stream);
@@ -134,6 +142,15 @@ bool wgmma_supported(const CudaMatMul& call, bool sparse_tensor_cores) {
 }
 
 namespace {
+// The vector-wise fp32 path: columns promised to share offsets in blocks of 32 (or a multiple),
+// 16-byte aligned rows of X and of the values, compute capability 8.0+ (mma.sync on TF32).
+bool vector_supported(const CudaMatMul& call) {
+  const bool aligned = (forms_activation(call) || reinterpret_cast<uintptr_t>(call.x) % 16 == 0) &&
+                       reinterpret_cast<uintptr_t>(call.values) % 16 == 0;
+  return call.dtype == DType::f32 && call.vector > 0 && call.vector % 32 == 0 && call.shape.k % 4 == 0 && aligned &&
+         vector_tf32_family(call.shape.n, call.shape.m) && compute_capability() >= 80;
+}
+
 // Whether the decode kernel would stage this call's activations once (one K chunk).
 bool decode_single_chunk(const CudaMatMul& call) {
   const NMShape& s = call.shape;
@@ -154,12 +171,14 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
     case CudaPath::mma: return mma_supported(call.dtype == DType::f32 ? 4 : 2, call.shape.m);
     case CudaPath::wgmma: return wgmma_supported(call, false);
     case CudaPath::wgmma_sp: return wgmma_supported(call, true);
+    case CudaPath::vector: return vector_supported(call);
   }
   return false;
 }
 
 CudaPath choose_path(const CudaMatMul& call) {
   if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
+  if (call.rows > kDecodeMaxRows && path_supported(call, CudaPath::vector)) return CudaPath::vector;
   const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile *
                                ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);
   // The sparse tensor cores from 17 rows (from 9 for 2:4, which the decode kernel never takes
@@ -187,13 +206,14 @@ const char* path_name(CudaPath path) {
     case CudaPath::mma: return "mma";
     case CudaPath::wgmma: return "wgmma";
     case CudaPath::wgmma_sp: return "wgmma_sp";
+    case CudaPath::vector: return "vector";
     default: return "auto";
   }
 }
 
 bool path_from_name(const char* name, CudaPath* path) {
   for (CudaPath p : {CudaPath::automatic, CudaPath::decode, CudaPath::tiled, CudaPath::mma, CudaPath::wgmma,
-                     CudaPath::wgmma_sp}) {
+                     CudaPath::wgmma_sp, CudaPath::vector}) {
     if (std::strcmp(name, path_name(p)) == 0) {
       *path = p;
       return true;

@@ -14,7 +14,7 @@
 namespace nmcli {
 
 enum class DType { f32 = 0, f16 = 1, bf16 = 2 };
-enum class CudaPath { automatic = 0, decode = 1, tiled = 2, mma = 3, wgmma = 4, wgmma_sp = 5 };
+enum class CudaPath { automatic = 0, decode = 1, tiled = 2, mma = 3, wgmma = 4, wgmma_sp = 5, vector = 6 };
 
 struct CudaMatMul {
   DType dtype = DType::f16;
@@ -32,13 +32,17 @@ struct CudaMatMul {
   int64_t rows = 0;
   float alpha = 1.0f;
   NMShape shape;
+  // Columns per aligned block that share one row of offsets (the op's `vector` attribute,
+  // docs/FORMAT.md); 0 when nothing is promised. Paths that know it read one row per block.
+  int64_t vector = 0;
 };
 
 // Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).
 CudaPath choose_path(const CudaMatMul& call);
 // Whether `path` can run this call (decode: rows <= 16; mma: fp16/bf16 with M in {2,4,8,16};
 // wgmma: fp16/bf16 on compute capability 9.0, K % 8 == 0, the families wgmma.cu compiles;
-// wgmma_sp: the same for 2:4).
+// wgmma_sp: the same for 2:4; vector: fp32 with `vector` a multiple of 32, N and M powers of
+// two with N/M in {1/2, 1/4, 1/8}, K % 4 == 0).
 bool path_supported(const CudaMatMul& call, CudaPath path);
 const char* path_name(CudaPath path);
 // The path `path_name` spells as `name`; false when there is none.
