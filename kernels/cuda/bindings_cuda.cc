@@ -167,7 +167,8 @@ void register_cuda_bindings(py::module_& mod) {
       },
       py::arg("path"), py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("dtype"), py::arg("k") = 0,
       py::arg("vector") = 0,
-      "Whether a path (decode, tiled, mma, wgmma, wgmma_sp, vector) can run calls of this kind (K = k, or a multiple of 8 when 0).");
+      "Whether a path (decode, tiled, mma, wgmma, wgmma_sp, vector) can run calls of this kind (K = k, or a "
+      "multiple of 8 when 0).");
 }
 
 }  // namespace nmcli

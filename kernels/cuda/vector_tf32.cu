@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(kThreads, 1) vector_tf32_kernel(PathParams<flo
 
     const float* xs = smem + (step % Tile::kStages) * Tile::kStageFloats;
     const float* ws = xs + Tile::kXFloats + warp * 32 * Tile::kWStride;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(xs + Tile::kXFloats + Tile::kWFloats) + warp * kOffsetWords;
+    const uint32_t* words =
+        reinterpret_cast<const uint32_t*>(xs + Tile::kXFloats + Tile::kWFloats) + warp * kOffsetWords;
     // Lane e: the tile position of this stage's entry e (group e / N, offset from the leader's row).
     const int64_t j0 = step * kEntries;
     int position = 0;
@@ -231,7 +232,8 @@ cudaError_t launch(const PathParams<float>& p, cudaStream_t stream) {
   constexpr auto kernel = vector_tf32_kernel<kEntries, kPositions>;
   constexpr int kBytes = VectorTile<kEntries, kPositions>::kSmemBytes;
   if (const cudaError_t e = allow_dynamic_smem<kernel>(kBytes); e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.nout + kCols - 1) / kCols), static_cast<unsigned>((p.rows + kRows - 1) / kRows));
+  const dim3 grid(static_cast<unsigned>((p.nout + kCols - 1) / kCols),
+                  static_cast<unsigned>((p.rows + kRows - 1) / kRows));
   kernel<<<grid, kThreads, kBytes, stream>>>(p, __builtin_ctz(p.n), __builtin_ctz(p.m));
   return cudaGetLastError();
 }
