@@ -112,10 +112,11 @@ def prune(
 ):
     """Prune MatMul/Gemm weights to N:M and rewrite them to nmcli's op."""
     from .modelio import check_output_path, load_model, save_model
-    from .prune import get_criterion, prune_model
+    from .prune import check_vector, get_criterion, prune_model
 
     pattern = NMPattern.parse(nm)
     criterion = get_criterion(method)
+    check_vector(vector, criterion)
     output = output or model.with_name(model.name.removesuffix(".onnx") + ".nm.onnx")
     check_output_path(model, output, force)
     dense = load_model(model)

@@ -99,6 +99,15 @@ def get_criterion(method: str) -> MaskCriterion:
         raise NmcliError(f"unknown pruning method '{method}' (choose from: {', '.join(CRITERIA)})") from None
 
 
+def check_vector(vector: int, criterion: MaskCriterion) -> None:
+    """Refuse a vector width prune_model cannot honour (before any calibration pass)."""
+    if vector < 0 or vector == 1:
+        raise NmcliError(f"--vector must be 0 (element-wise) or at least 2, got {vector}")
+    if vector and getattr(criterion, "needs_gram", False):
+        raise NmcliError(f"--vector is not supported with --method {criterion.name}: its error compensation "
+                         "chooses positions column by column (use magnitude or wanda)")
+
+
 def prune_weight(weight: np.ndarray, pattern: nmformat.NMPattern, scores: np.ndarray, vector: int = 0
                  ) -> tuple[nmformat.PackedWeight, float]:
     """Pack one weight [K, Nout] keeping the top scores (shared by blocks of `vector` columns
@@ -144,11 +153,7 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     columns keep the same positions, and the op node says so (attribute `vector`,
     docs/FORMAT.md) where its blocks line up with the op's columns."""
     criterion = criterion or get_criterion(method)
-    if vector < 0 or vector == 1:
-        raise NmcliError(f"--vector must be 0 (element-wise) or at least 2, got {vector}")
-    if vector and getattr(criterion, "needs_gram", False):
-        raise NmcliError(f"--vector is not supported with --method {criterion.name}: its error compensation "
-                         "chooses positions column by column (use magnitude or wanda)")
+    check_vector(vector, criterion)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     candidates = find_candidates(out, selection)

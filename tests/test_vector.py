@@ -107,4 +107,6 @@ def test_cli_prune_vector(tmp_path, rng):
     [node] = op_nodes(onnx.load(str(tmp_path / "m.nm.onnx")))
     assert attribute(node, "vector") == 32
     assert_one_line_error(run("prune", path, "--vector", "1", "-o", tmp_path / "o.onnx", cwd=tmp_path), "--vector")
+    assert_one_line_error(run("prune", path, "--vector", "32", "--method", "sparsegpt", "-o", tmp_path / "o.onnx",
+                              cwd=tmp_path), "sparsegpt")
     assert digest(path) == before
