@@ -20,9 +20,9 @@
 // 4096^3 (BENCHMARKS.md, session 21).
 //
 // fp32 accuracy from TF32 units (the 3xTF32 split): v = big + small with big = v rounded to TF32
-// and small = v - big rounded to TF32; a*b ~= a_small*b_big + a_big*b_small + a_big*b_big,
-// accumulated in fp32, small terms first. The dropped small*small term and small's rounding
-// are each below 2^-22 of the product.
+// and small = v - big (exact), which the MMA truncates to TF32; a*b ~= a_small*b_big +
+// a_big*b_small + a_big*b_big, accumulated in fp32, small terms first. The dropped small*small
+// term is below 2^-22 of the product and small's truncation below 2^-21.
 #include <algorithm>
 
 #include "async_copy.cuh"
@@ -48,7 +48,7 @@ struct VectorTile {
   // a gather reads fall in different banks for any one position, so a gather conflicts only
   // where two of the four positions it reads are equal mod 4.
   static constexpr int kXStride = kPositions + 4;
-  // Column stride 8, 24 or 8 mod 32: the 8-byte B loads of a half-warp (4 columns x 4 pairs) hit
+  // Column stride 8 (kEntries 8 or 32) or 24 (16) mod 32: the 8-byte B loads of a half-warp (4 columns x 4 pairs) hit
   // 16 different bank pairs.
   static constexpr int kWStride = kEntries == 8 ? 8 : kEntries + 8;
   static constexpr int kXFloats = kRows * kXStride;
