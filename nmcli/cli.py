@@ -371,6 +371,7 @@ def bench_kernels(
     from rich.progress import Progress
 
     from . import bench_kernels as bk
+    from .prune import check_vector
 
     patterns = [NMPattern.parse(p) for p in nm]
     if dtype not in ("float16", "bfloat16", "float32"):
@@ -379,8 +380,7 @@ def bench_kernels(
         raise NmcliError(f"--shapes must be all, llama or nmsparse, not '{shapes}'")
     if path not in ("auto", "decode", "mma", "wgmma", "wgmma_sp", "vector", "tiled"):
         raise NmcliError(f"--path must be auto, decode, mma, wgmma, wgmma_sp, vector or tiled, not '{path}'")
-    if vector == 1:
-        raise NmcliError("--vector must be 0 (element-wise) or at least 2")
+    check_vector(vector)
     torch = bk.require_gpu()
     todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse", rows)
             for p in patterns if bk.path_for(*s, p, dtype, path, vector)]

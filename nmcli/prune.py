@@ -99,8 +99,9 @@ def get_criterion(method: str) -> MaskCriterion:
         raise NmcliError(f"unknown pruning method '{method}' (choose from: {', '.join(CRITERIA)})") from None
 
 
-def check_vector(vector: int, criterion: MaskCriterion) -> None:
-    """Refuse a vector width prune_model cannot honour (before any calibration pass)."""
+def check_vector(vector: int, criterion: MaskCriterion | None = None) -> None:
+    """Refuse a vector width masks.choose_offsets cannot honour, or that `criterion` cannot
+    (checked before any calibration pass)."""
     if vector < 0 or vector == 1:
         raise NmcliError(f"--vector must be 0 (element-wise) or at least 2, got {vector}")
     if vector and getattr(criterion, "needs_gram", False):

@@ -38,19 +38,19 @@ constexpr int kRows = 128;                // activation rows per block: eight m1
 constexpr int kRowTiles = kRows / 16;
 constexpr int kRowTilesAtOnce = 4;        // A fragments held at a time (registers)
 constexpr int kCols = 32 * kWarps;        // weight columns per block
+constexpr int kEntries = 16;              // stored entries per column in a stage: two mma k-steps
 constexpr int kOffsetWords = 8;           // a stage's offset fields span at most 6 words
 constexpr int kSmemBudget = 220 * 1024;
 
-template <int kEntries, int kPositions>
+template <int kPositions>
 struct VectorTile {
-  static_assert(kEntries % 8 == 0 && kEntries <= 32, "whole mma k-steps; one entry per lane when decoding");
   // Rows of the activation tile are kPositions + 4 floats (4 mod 32 banks apart): the eight rows
   // a gather reads fall in different banks for any one position, so a gather conflicts only
   // where two of the four positions it reads are equal mod 4.
   static constexpr int kXStride = kPositions + 4;
-  // Column stride 8 (kEntries 8 or 32) or 24 (16) mod 32: the 8-byte B loads of a half-warp (4 columns x 4 pairs) hit
-  // 16 different bank pairs.
-  static constexpr int kWStride = kEntries == 8 ? 8 : kEntries + 8;
+  // Column stride 24 mod 32: the 8-byte B loads of a half-warp (4 columns x 4 pairs) hit 16
+  // different bank pairs.
+  static constexpr int kWStride = kEntries + 8;
   static constexpr int kXFloats = kRows * kXStride;
   static constexpr int kWFloats = kCols * kWStride;
   static constexpr int kStageFloats = kXFloats + kWFloats + kWarps * kOffsetWords;
@@ -78,9 +78,9 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 
 // A thread's share of each stage's copies (cp.async, 16 bytes each): the same tile rows,
 // columns and chunks every stage, so the sources are set up once and advance by the stage.
-template <int kEntries, int kPositions>
+template <int kPositions>
 struct StageCopies {
-  using Tile = VectorTile<kEntries, kPositions>;
+  using Tile = VectorTile<kPositions>;
   static constexpr int kXChunks = kPositions / 4, kXRowsPerPass = kThreads / kXChunks, kXPasses = kRows / kXRowsPerPass;
   static constexpr int kWChunks = kEntries / 4, kWColsPerPass = kThreads / kWChunks, kWPasses = kCols / kWColsPerPass;
   const float* x;       // this thread's first activation chunk at stage 0
@@ -90,6 +90,7 @@ struct StageCopies {
   int64_t k_chunk;         // K position of the chunk at stage 0
   int x_rows_left, w_cols_left;  // rows (columns) of the tile that exist, from this thread's first
   uint32_t x_dst, w_dst, words_dst;  // shared-memory offsets within a stage
+  bool leader;  // the warp's 32-column block exists
 
   __device__ __forceinline__ StageCopies(const PathParams<float>& p, int64_t row0, int64_t col0, int warp, int lane) {
     const int xr = threadIdx.x / kXChunks, xc = threadIdx.x % kXChunks;
@@ -107,7 +108,6 @@ struct StageCopies {
     words_dst = (Tile::kXFloats + Tile::kWFloats + warp * kOffsetWords + lane) * 4;
     leader = col0 + 32 * warp < p.nout;
   }
-  bool leader;  // the warp's 32-column block exists
 
   // Copies stage `step` (K positions [step * kPositions, +kPositions), stored entries
   // [step * kEntries, +kEntries), which lie within the row as kEntries divides 32) to the stage
@@ -135,14 +135,14 @@ struct StageCopies {
   }
 };
 
-template <int kEntries, int kPositions>
+template <int kPositions>
 __global__ void __launch_bounds__(kThreads, 1) vector_tf32_kernel(PathParams<float> p, int log2n, int log2m) {
-  using Tile = VectorTile<kEntries, kPositions>;
+  using Tile = VectorTile<kPositions>;
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRows, col0 = static_cast<int64_t>(blockIdx.x) * kCols;
   const int64_t steps = (p.groups * p.m + kPositions - 1) / kPositions;
-  const StageCopies<kEntries, kPositions> copies(p, row0, col0, warp, lane);
+  const StageCopies<kPositions> copies(p, row0, col0, warp, lane);
   const uint32_t ring = sm90::smem_addr(smem);
   float acc[kRowTiles][4][4] = {};
 
@@ -227,10 +227,10 @@ __global__ void __launch_bounds__(kThreads, 1) vector_tf32_kernel(PathParams<flo
   }
 }
 
-template <int kEntries, int kPositions>
+template <int kPositions>
 cudaError_t launch(const PathParams<float>& p, cudaStream_t stream) {
-  constexpr auto kernel = vector_tf32_kernel<kEntries, kPositions>;
-  constexpr int kBytes = VectorTile<kEntries, kPositions>::kSmemBytes;
+  constexpr auto kernel = vector_tf32_kernel<kPositions>;
+  constexpr int kBytes = VectorTile<kPositions>::kSmemBytes;
   if (const cudaError_t e = allow_dynamic_smem<kernel>(kBytes); e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.nout + kCols - 1) / kCols),
                   static_cast<unsigned>((p.rows + kRows - 1) / kRows));
@@ -246,12 +246,12 @@ bool vector_tf32_family(int n, int m) {
   return power_of_two(n) && power_of_two(m) && (m == 2 * n || m == 4 * n || m == 8 * n);
 }
 
-// A stage holds 16 stored entries per column (two mma k-steps): 32, 64 or 128 K positions at
-// N/M = 1/2, 1/4, 1/8 (four, three and two stages in shared memory).
+// A stage's kEntries stored entries per column span 32, 64 or 128 K positions at N/M = 1/2, 1/4,
+// 1/8 (four, three and two stages in shared memory).
 cudaError_t run_vector_tf32(PathParams<float> p, cudaStream_t stream) {
-  if (p.m == 2 * p.n) return launch<16, 32>(p, stream);
-  if (p.m == 4 * p.n) return launch<16, 64>(p, stream);
-  return launch<16, 128>(p, stream);
+  if (p.m == 2 * p.n) return launch<32>(p, stream);
+  if (p.m == 4 * p.n) return launch<64>(p, stream);
+  return launch<128>(p, stream);
 }
 
 }  // namespace nmcli
