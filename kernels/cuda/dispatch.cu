@@ -26,6 +26,8 @@
 //    vector-wise tensor-core path (vector_tf32.cu) where it applies. Session 21 (scratch timing
 //    of both paths at 17, 64, 128, 256 rows on 4096x4096, 11008x4096, 4096x14336; 2:4, 2:8,
 //    1:8): 1.86-11.7x the tiled path it replaces at every point. 1..16 rows stay on decode.
+//    Session 22 (small row tiles, K split over a cluster): 1.04-6.9x cuBLAS fp32 from 17 rows on
+//    LLaMA shapes (17-512 rows swept on 4096x4096 and 11008x4096).
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>

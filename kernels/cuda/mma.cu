@@ -13,17 +13,16 @@
 //
 // Split-K over a thread-block cluster (sm_90): when the output has too few tiles to fill the
 // GPU (few rows, or a narrow output), each tile is computed by a cluster of up to 8 blocks,
-// each walking a slice of K; the partial tiles are summed through distributed shared memory,
-// so there is no workspace and no second kernel. A block's K walk is a chain of dependent
+// each walking a slice of K; the partial tiles are summed through distributed shared memory
+// (split_k.cuh). A block's K walk is a chain of dependent
 // load -> expand -> MMA steps, so walking a slice instead of all of K is what makes small-row
 // calls fast.
-#include <cooperative_groups.h>
-
 #include <algorithm>
 #include <type_traits>
 
 #include "common.cuh"
 #include "kernels.cuh"
+#include "split_k.cuh"
 
 namespace nmcli {
 namespace {
@@ -203,34 +202,6 @@ struct TileSmem {
   static constexpr size_t kBytes = kOperands > kPartial ? kOperands : kPartial;
 };
 
-template <typename T>
-__device__ __forceinline__ void store_output(const PathParams<T>& p, int64_t row, int64_t col, float v) {
-  if (row < p.rows && col < p.nout)
-    p.y.column(col)[row] = from_f32<T>(p.alpha * v + (p.bias ? to_f32(p.bias[col]) : 0.f) + residual_at(p, row, col));
-}
-
-// Sums the cluster's partial tiles (each block's `partial` in its own shared memory); block r
-// of the cluster reduces and stores rows [r*BM/S, (r+1)*BM/S) of the tile.
-template <typename T, int BM, int BN>
-__device__ __forceinline__ void reduce_cluster(const PathParams<T>& p, float* partial, int64_t row0, int64_t col0) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every partial tile is written
-  const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  const int rows_per = (BM + splits - 1) / splits, r0 = rank * rows_per, r1 = min(BM, r0 + rows_per);
-  for (int idx = threadIdx.x; idx < (r1 - r0) * BN; idx += kThreads) {
-    const int r = r0 + idx / BN, c = idx % BN;
-    float sum = 0.f;
-    for (int q = 0; q < splits; ++q) sum += cluster.map_shared_rank(partial, q)[r * BN + c];
-    store_output<T>(p, row0 + r, col0 + c, sum);
-  }
-  cluster.sync();  // peers' shared memory must outlive the reads above
-#else
-  __trap();  // split_for never splits without cluster support
-#endif
-}
-
 template <typename T, int kN, int kM, int BM, int BN, bool kSplit>
 __global__ void __launch_bounds__(kThreads) mma_kernel(PathParams<T> p, bool vector_loads) {
   constexpr int kWarpsM = warps_m<BM>(), kWarpsN = warps_n<BM>();
@@ -306,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(PathParams<T> p, bool vec
         if constexpr (kSplit) partial[r * BN + c] = acc[i][j][e];
         else store_output<T>(p, row0 + r, col0 + c, acc[i][j][e]);
       }
-  if constexpr (kSplit) reduce_cluster<T, BM, BN>(p, partial, row0, col0);
+  if constexpr (kSplit) reduce_cluster<T, BM, BN, kThreads>(p, partial, row0, col0);
 }
 
 // Blocks of a cluster that split one tile over K (1 = no split): enough blocks for `waves`

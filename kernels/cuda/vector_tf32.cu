@@ -3,10 +3,10 @@
 //
 // When 32 output columns keep the same K positions, their product is a dense one over the kept
 // positions only: gather those activation columns, multiply by the 32 columns' stored values.
-// A block covers 128 activation rows and 256 weight columns; each warp owns one 32-column block
-// and all 128 rows. Per stage (kPositions K positions, kEntries stored entries per column) the
+// A block covers kRows activation rows and 256 weight columns; each warp owns one 32-column block
+// and all kRows rows. Per stage (kPositions K positions, kEntries stored entries per column) the
 // block copies
-//  * the activation tile [128 x kPositions] (padded rows),
+//  * the activation tile [kRows x kPositions] (padded rows),
 //  * the packed values of its 256 columns [256 x kEntries], as they are stored,
 //  * each warp's leader column's offset words for the stage,
 // with cp.async into a ring of stages. A warp decodes its kEntries offsets once per stage (lane
@@ -14,10 +14,13 @@
 // of mma.m16n8k8 are then gathered straight from the activation tile (row, position) and the
 // B fragments are two consecutive stored values per lane: the MMA's k index t maps to stored
 // entry 2t and k index t + 4 to entry 2t + 1, so a lane's two B values are one 8-byte load.
-// Why 128 x 256: the activation tile is copied whole though each warp reads N/M of it, so at
-// high sparsity the kernel is bound by L2 -> shared-memory bytes per MMA; 64-row tiles ran
-// 104 / 175 / 285 effective TFLOP/s against 111 / 188 / 283 for these at 16:32 / 8:32 / 4:32 on
-// 4096^3 (BENCHMARKS.md, session 21).
+// Tiles (launch_rows): from 65 rows 128 x 256 with 16 entries per stage. The activation tile is
+// copied whole though each warp reads N/M of it, so at high sparsity the kernel is bound by L2 ->
+// shared-memory bytes per MMA; 64-row tiles ran 104 / 175 / 285 effective TFLOP/s against
+// 111 / 188 / 283 for these at 16:32 / 8:32 / 4:32 on 4096^3 (BENCHMARKS.md, session 21).
+// Up to 64 rows, 32- or 64-row tiles with 32 entries per stage (a whole 128-byte line of each
+// column's values), K split over a cluster (k_split) so that the few tiles fill the GPU: the
+// weight stream is the work there, and 32 entries ran 1.05-1.23x faster than 16 (session 22).
 //
 // fp32 accuracy from TF32 units (the 3xTF32 split): v = big + small with big = v rounded to TF32
 // and small = v - big (exact), which the MMA truncates to TF32; a*b ~= a_small*b_big +
@@ -28,22 +31,25 @@
 #include "async_copy.cuh"
 #include "common.cuh"
 #include "kernels.cuh"
+#include "split_k.cuh"
 
 namespace nmcli {
 namespace {
 
 constexpr int kWarps = 8;                 // one per 32-column block of the weight
 constexpr int kThreads = 32 * kWarps;
-constexpr int kRows = 128;                // activation rows per block: eight m16 tiles per warp
-constexpr int kRowTiles = kRows / 16;
-constexpr int kRowTilesAtOnce = 4;        // A fragments held at a time (registers)
 constexpr int kCols = 32 * kWarps;        // weight columns per block
-constexpr int kEntries = 16;              // stored entries per column in a stage: two mma k-steps
-constexpr int kOffsetWords = 8;           // a stage's offset fields span at most 6 words
+constexpr int kOffsetWords = 8;           // a stage's offset fields (<= 32 x 5 bits) span at most 5 words
 constexpr int kSmemBudget = 220 * 1024;
 
-template <int kPositions>
+// kRows activation rows x kCols weight columns per block; per stage kEntries stored entries per
+// column (kEntries / 8 mma k-steps), which span kPositions = kEntries * M/N positions of K.
+template <int kRatio, int kRowsArg, int kEntriesArg>
 struct VectorTile {
+  static constexpr int kRows = kRowsArg, kEntries = kEntriesArg, kPositions = kEntries * kRatio;
+  static constexpr int kRowTiles = kRows / 16;  // m16 tiles per warp
+  static constexpr int kRowTilesAtOnce = kRowTiles < 4 ? kRowTiles : 4;  // A fragments held at a time
+
   // Rows of the activation tile are kPositions + 4 floats (4 mod 32 banks apart): the eight rows
   // a gather reads fall in different banks for any one position, so a gather conflicts only
   // where two of the four positions it reads are equal mod 4.
@@ -57,6 +63,7 @@ struct VectorTile {
   static constexpr int kStages = std::min(4, kSmemBudget / (kStageFloats * 4));
   static constexpr int kSmemBytes = kStages * kStageFloats * 4;
   static_assert(kStages >= 2, "a ring needs two stages");
+  static_assert(kRows * kCols <= kStages * kStageFloats, "a split's partial tile fits in the ring");
 };
 
 // v rounded to TF32 (nearest, ties away), by integer arithmetic: cvt.rna.tf32.f32 costs four
@@ -78,9 +85,9 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 
 // A thread's share of each stage's copies (cp.async, 16 bytes each): the same tile rows,
 // columns and chunks every stage, so the sources are set up once and advance by the stage.
-template <int kPositions>
+template <typename Tile>
 struct StageCopies {
-  using Tile = VectorTile<kPositions>;
+  static constexpr int kRows = Tile::kRows, kEntries = Tile::kEntries, kPositions = Tile::kPositions;
   static constexpr int kXChunks = kPositions / 4, kXRowsPerPass = kThreads / kXChunks, kXPasses = kRows / kXRowsPerPass;
   static constexpr int kWChunks = kEntries / 4, kWColsPerPass = kThreads / kWChunks, kWPasses = kCols / kWColsPerPass;
   const float* x;       // this thread's first activation chunk at stage 0
@@ -135,26 +142,29 @@ struct StageCopies {
   }
 };
 
-template <int kPositions>
+template <typename Tile>
 __global__ void __launch_bounds__(kThreads, 1) vector_tf32_kernel(PathParams<float> p, int log2n, int log2m) {
-  using Tile = VectorTile<kPositions>;
+  constexpr int kRows = Tile::kRows, kEntries = Tile::kEntries, kPositions = Tile::kPositions;
+  constexpr int kRowTiles = Tile::kRowTiles, kRowTilesAtOnce = Tile::kRowTilesAtOnce;
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRows, col0 = static_cast<int64_t>(blockIdx.x) * kCols;
-  const int64_t steps = (p.groups * p.m + kPositions - 1) / kPositions;
-  const StageCopies<kPositions> copies(p, row0, col0, warp, lane);
+  // This block's stages [first, last): all of them unless a cluster of gridDim.z blocks splits K.
+  const int64_t steps = (p.groups * p.m + kPositions - 1) / kPositions, per_block = (steps + gridDim.z - 1) / gridDim.z;
+  const int64_t first = min(steps, blockIdx.z * per_block), last = min(steps, first + per_block);
+  const StageCopies<Tile> copies(p, row0, col0, warp, lane);
   const uint32_t ring = sm90::smem_addr(smem);
   float acc[kRowTiles][4][4] = {};
 
-  for (int s = 0; s < Tile::kStages - 1; ++s) {
-    if (s < steps) copies.load(p, ring + s * Tile::kStageFloats * 4, s, lane);
+  for (int64_t s = first; s < first + Tile::kStages - 1; ++s) {
+    if (s < last) copies.load(p, ring + (s % Tile::kStages) * Tile::kStageFloats * 4, s, lane);
     sm90::cp_async_commit();
   }
-  for (int64_t step = 0; step < steps; ++step) {
+  for (int64_t step = first; step < last; ++step) {
     sm90::cp_async_wait<Tile::kStages - 2>();
     __syncthreads();  // stage `step` is in, and every warp is done with the slot refilled next
     const int64_t next = step + Tile::kStages - 1;
-    if (next < steps) copies.load(p, ring + (next % Tile::kStages) * Tile::kStageFloats * 4, next, lane);
+    if (next < last) copies.load(p, ring + (next % Tile::kStages) * Tile::kStageFloats * 4, next, lane);
     sm90::cp_async_commit();
 
     const float* xs = smem + (step % Tile::kStages) * Tile::kStageFloats;
@@ -207,6 +217,19 @@ __global__ void __launch_bounds__(kThreads, 1) vector_tf32_kernel(PathParams<flo
     }
   }
 
+  if (gridDim.z > 1) {  // the ring is free once every warp is past its last stage
+    sm90::cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          smem[(16 * mt + g + 8 * (e >> 1)) * kCols + 32 * warp + 8 * nt + 2 * q + (e & 1)] = acc[mt][nt][e];
+    reduce_cluster<float, kRows, kCols, kThreads>(p, smem, row0, col0);
+    return;
+  }
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -227,15 +250,78 @@ __global__ void __launch_bounds__(kThreads, 1) vector_tf32_kernel(PathParams<flo
   }
 }
 
-template <int kPositions>
+// Clusters of `split` blocks of kKernel that the device runs at once, one block per SM (cached
+// per device and split). Clusters must fit in one GPC, so this is less than SMs / split: 15
+// clusters of 8 on the H100 (132 SMs).
+template <auto kKernel>
+int64_t active_clusters(int split, int smem_bytes) {
+  static int known[64][9] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return multiprocessor_count() / split;
+  int& count = known[device][split];
+  if (count == 0) {
+    cudaLaunchAttribute cluster = {};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 1, cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = static_cast<unsigned>(split);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(1, 1, static_cast<unsigned>(split));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&count, kKernel, &config) != cudaSuccess || count <= 0) {
+      (void)cudaGetLastError();  // not the launch's error
+      count = std::max(1, multiprocessor_count() / split);
+    }
+  }
+  return count;
+}
+
+// Blocks of a cluster that split each tile's K (1 = no split), only where the tiles alone leave
+// SMs idle: splitting grids of several waves (4096 x 4096 x 11008) ran 1.08-1.29x slower. Of 1,
+// 2, 4 and 8 it takes the least waves x stages per block, a wave being as many clusters as run at
+// once, with at least 4 stages per block; ties go to the smaller split. On the H100, with 16 tiles
+// (N = 4096, up to 64 rows), 8-way splits take two waves (15 clusters at once) and ran
+// 1.03-1.22x slower than 4-way ones (BENCHMARKS.md, session 22).
+template <auto kKernel>
+int k_split(int64_t tiles, int64_t steps, int smem_bytes) {
+  if (compute_capability() < 90 || tiles >= multiprocessor_count()) return 1;  // clusters; a full grid
+  int best = 1;
+  int64_t best_cost = steps;  // one wave of whole-K blocks
+  for (const int split : {2, 4, 8}) {
+    if (steps < 4 * split) break;
+    const int64_t clusters = active_clusters<kKernel>(split, smem_bytes);
+    const int64_t cost = (tiles + clusters - 1) / clusters * ((steps + split - 1) / split);
+    if (cost < best_cost) best = split, best_cost = cost;
+  }
+  return best;
+}
+
+template <typename Tile>
 cudaError_t launch(const PathParams<float>& p, cudaStream_t stream) {
-  constexpr auto kernel = vector_tf32_kernel<kPositions>;
-  constexpr int kBytes = VectorTile<kPositions>::kSmemBytes;
+  constexpr auto kernel = vector_tf32_kernel<Tile>;
+  constexpr int kBytes = Tile::kSmemBytes, kPositions = Tile::kPositions, kRows = Tile::kRows;
   if (const cudaError_t e = allow_dynamic_smem<kernel>(kBytes); e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.nout + kCols - 1) / kCols),
                   static_cast<unsigned>((p.rows + kRows - 1) / kRows));
-  kernel<<<grid, kThreads, kBytes, stream>>>(p, __builtin_ctz(p.n), __builtin_ctz(p.m));
-  return cudaGetLastError();
+  const int log2n = __builtin_ctz(p.n), log2m = __builtin_ctz(p.m);
+  const int splits =
+      k_split<kernel>(static_cast<int64_t>(grid.x) * grid.y, (p.groups * p.m + kPositions - 1) / kPositions, kBytes);
+  if (splits == 1) {
+    kernel<<<grid, kThreads, kBytes, stream>>>(p, log2n, log2m);
+    return cudaGetLastError();
+  }
+  return launch_split_k(kernel, grid, kThreads, kBytes, stream, splits, false, p, log2n, log2m);
+}
+
+// The activation tile: the smallest of 32, 64 and 128 rows that holds the call's rows (128 past
+// that); with few rows the grid is small and k_split fills the GPU.
+template <int kRatio>
+cudaError_t launch_rows(const PathParams<float>& p, cudaStream_t stream) {
+  if (p.rows <= 32) return launch<VectorTile<kRatio, 32, 32>>(p, stream);
+  if (p.rows <= 64) return launch<VectorTile<kRatio, 64, 32>>(p, stream);
+  return launch<VectorTile<kRatio, 128, 16>>(p, stream);
 }
 
 bool power_of_two(int v) { return v > 0 && (v & (v - 1)) == 0; }
@@ -246,12 +332,11 @@ bool vector_tf32_family(int n, int m) {
   return power_of_two(n) && power_of_two(m) && (m == 2 * n || m == 4 * n || m == 8 * n);
 }
 
-// A stage's kEntries stored entries per column span 32, 64 or 128 K positions at N/M = 1/2, 1/4,
-// 1/8 (four, three and two stages in shared memory).
+// Stages span kEntries x 2, 4 or 8 K positions at N/M = 1/2, 1/4, 1/8.
 cudaError_t run_vector_tf32(PathParams<float> p, cudaStream_t stream) {
-  if (p.m == 2 * p.n) return launch<32>(p, stream);
-  if (p.m == 4 * p.n) return launch<64>(p, stream);
-  return launch<128>(p, stream);
+  if (p.m == 2 * p.n) return launch_rows<2>(p, stream);
+  if (p.m == 4 * p.n) return launch_rows<4>(p, stream);
+  return launch_rows<8>(p, stream);
 }
 
 }  // namespace nmcli
