@@ -96,12 +96,12 @@ def test_cuda_paths_write_split_outputs(rng, dtype_name, rows, k, widths):
 @pytest.mark.parametrize("n,m", [(16, 32), (8, 32), (4, 32), (2, 4), (2, 8), (1, 8), (1, 4), (4, 16), (1, 2)])
 @pytest.mark.parametrize("rows,k,nout,vector", [(17, 132, 100, 32), (200, 4100, 300, 64), (129, 64, 33, 32),
                                                 (1100, 264, 3900, 32), (300, 8, 96, 96), (40, 2052, 257, 32),
-                                                (20, 4100, 520, 32)])
+                                                (20, 4100, 520, 32), (12, 2052, 257, 32)])
 def test_vector_path_matches_reference(rng, n, m, rows, k, nout, vector):
     """fp32 weights whose columns share offsets in blocks (prune --vector) on the vector-wise
     tensor-core path (3xTF32), forced and as the dispatch's choice, into poisoned outputs: K not
     a multiple of the stage, rows and columns not multiples of the tile, partial last blocks;
-    the 32-, 64- and 128-row tiles, with K split over a cluster (20, 40 and 200 rows)."""
+    the 32-, 64- and 128-row tiles, with K split over a cluster (12, 20, 40 and 200 rows)."""
     pattern = NMPattern(n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, "float32", vector)
     assert shares_offsets(packed.indices, vector)

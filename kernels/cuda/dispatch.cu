@@ -22,12 +22,14 @@
 //    decode 1.06-1.33x the mma path for 2:8 and 1:8 with K = 4096; mma ahead at 2:4 and at
 //    K = 11008 or 14336, where decode stages K in two chunks); else decode up to 16 rows and the
 //    tiled SIMT path above.
-//  * fp32 weights whose columns share offsets in blocks of 32 (`vector`): from 17 rows the
+//  * fp32 weights whose columns share offsets in blocks of 32 (`vector`): from 9 rows the
 //    vector-wise tensor-core path (vector_tf32.cu) where it applies. Session 21 (scratch timing
 //    of both paths at 17, 64, 128, 256 rows on 4096x4096, 11008x4096, 4096x14336; 2:4, 2:8,
-//    1:8): 1.86-11.7x the tiled path it replaces at every point. 1..16 rows stay on decode.
-//    Session 22 (small row tiles, K split over a cluster): 1.04-6.9x cuBLAS fp32 from 17 rows on
-//    LLaMA shapes (17-512 rows swept on 4096x4096 and 11008x4096).
+//    1:8): 1.86-11.7x the tiled path it replaces at every point. Session 22 (small row tiles,
+//    K split over a cluster): 1.04-6.9x cuBLAS fp32 from 17 rows on LLaMA shapes (17-512 rows
+//    swept on 4096x4096 and 11008x4096); against decode on those three shapes and families,
+//    2.7-6.2x at 9, 12 and 16 rows, 0.93-1.45x at 8 and 0.55-0.84x at 4, so 1..8 rows stay on
+//    decode.
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -180,7 +182,7 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
 
 CudaPath choose_path(const CudaMatMul& call) {
   if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
-  if (call.rows > kDecodeMaxRows && path_supported(call, CudaPath::vector)) return CudaPath::vector;
+  if (path_supported(call, CudaPath::vector)) return CudaPath::vector;
   const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile *
                                ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);
   // The sparse tensor cores from 17 rows (from 9 for 2:4, which the decode kernel never takes
