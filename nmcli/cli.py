@@ -78,8 +78,8 @@ MIN_SIZE_HELP = "Skip weights with fewer elements than this."
 PERMUTE_HELP = ("Reorder input channels before N:M grouping where it keeps more of the criterion score "
                 "(one Gather of the activation per call; outputs equal the dense model with the same weights).")
 VECTOR_HELP = ("Vector-wise N:M: aligned blocks of this many output columns keep the same positions (0: "
-               "each column its own). A multiple of 32 runs fp32 models on the GPU's vector-wise tensor-core "
-               "path; magnitude and wanda only.")
+               "each column its own). A multiple of 32 runs on the GPU's vector-wise tensor-core path (fp32; "
+               "fp16/bf16 up to 64 rows at N/M <= 1/4); magnitude and wanda only.")
 FUSE_HELP = ("Merge MatMuls that read the same activation (Q/K/V, gate/up) into one op that writes each "
              "original output, and move a residual Add after an op and a SiLU-gated product or an RMSNorm "
              "before it into the op: fewer, wider kernel calls.")

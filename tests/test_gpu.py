@@ -94,53 +94,73 @@ def test_cuda_paths_write_split_outputs(rng, dtype_name, rows, k, widths):
 
 
 @pytest.mark.parametrize("n,m", [(16, 32), (8, 32), (4, 32), (2, 4), (2, 8), (1, 8), (1, 4), (4, 16), (1, 2)])
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout,vector", [(17, 132, 100, 32), (200, 4100, 300, 64), (129, 64, 33, 32),
                                                 (1100, 264, 3900, 32), (300, 8, 96, 96), (40, 2052, 257, 32),
                                                 (20, 4100, 520, 32), (12, 2052, 257, 32)])
-def test_vector_path_matches_reference(rng, n, m, rows, k, nout, vector):
-    """fp32 weights whose columns share offsets in blocks (prune --vector) on the vector-wise
-    tensor-core path (3xTF32), forced and as the dispatch's choice, into poisoned outputs: K not
-    a multiple of the stage, rows and columns not multiples of the tile, partial last blocks;
-    the 32-, 64- and 128-row tiles, with K split over a cluster (12, 20, 40 and 200 rows)."""
+def test_vector_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, vector):
+    """Weights whose columns share offsets in blocks (prune --vector) on the vector-wise
+    tensor-core path (fp32: 3xTF32; fp16, bf16: m16n8k16), forced and through the dispatch, into
+    poisoned outputs: K not a multiple of the stage, rows and columns not multiples of the
+    tile, partial last blocks; the 32-, 64- and 128-row tiles, with K split over a cluster (12,
+    20, 40 and 200 rows). 16-bit rows of X are copied 8 elements at a time, so K rounds up to 8."""
+    if dtype_name != "float32":
+        k += -k % 8
     pattern = NMPattern(n, m)
-    x, packed, bias = random_case(rng, pattern, rows, k, nout, "float32", vector)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name, vector)
     assert shares_offsets(packed.indices, vector)
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
-    assert kernels.cuda_path(rows, n, m, k, nout, "float32", vector) == "vector"
-    assert kernels.cuda_path(rows, n, m, k, nout, "float32") != "vector"  # nothing promised
+    # the dispatch's rule: fp32 from 9 rows; fp16/bf16 at 9..64 rows where N/M <= 1/4
+    chosen = dtype_name == "float32" or (4 * n <= m and rows <= 64)
+    assert (kernels.cuda_path(rows, n, m, k, nout, dtype_name, vector) == "vector") == chosen
+    assert kernels.cuda_path(rows, n, m, k, nout, dtype_name) != "vector"  # nothing promised
     for path in ("vector", "auto"):
-        [y] = run_cuda(x, packed, bias, 0.75, "float32", path, vector=vector)
-        assert error_ratio(y, ref, magnitude, "float32", k) < 1, path
+        [y] = run_cuda(x, packed, bias, 0.75, dtype_name, path, vector=vector)
+        assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
 
 
-def test_vector_path_split_outputs_residual_and_gate(rng):
+@pytest.mark.parametrize("dtype_name,k", [("float16", 2052), ("bfloat16", 100), ("float32", 2050)])
+def test_vector_path_refuses_rows_it_cannot_copy(rng, dtype_name, k):
+    """The vector path copies rows of X in 16-byte pieces: K must be a multiple of 8 (16-bit) or
+    4 (fp32). Otherwise the dispatch takes another path, which is still right."""
+    pattern, rows, nout = NMPattern(2, 8), 40, 96
+    assert not kernels.cuda_path_supported("vector", rows, 2, 8, dtype_name, k, 32)
+    assert kernels.cuda_path(rows, 2, 8, k, nout, dtype_name, 32) != "vector"
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name, 32)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    [y] = run_cuda(x, packed, bias, 0.75, dtype_name, "auto", vector=32)
+    assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+def test_vector_path_split_outputs_residual_and_gate(rng, dtype_name):
     """The vector-wise path writes a fused group's column ranges, and adds a residual to a
     gated activation's product (written to the workspace first)."""
     pattern, rows, k = NMPattern(2, 8), 70, 520
     widths = [96, 32, 64]
-    x, packed, bias = random_case(rng, pattern, rows, k, sum(widths), "float32", 32)
+    x, packed, bias = random_case(rng, pattern, rows, k, sum(widths), dtype_name, 32)
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
     start = 0
-    for got, width in zip(run_cuda(x, packed, bias, 0.75, "float32", "vector", widths, vector=32), widths):
+    for got, width in zip(run_cuda(x, packed, bias, 0.75, dtype_name, "vector", widths, vector=32), widths):
         cols = slice(start, start + width)
-        assert error_ratio(got, ref[:, cols], magnitude[:, cols], "float32", k) < 1, width
+        assert error_ratio(got, ref[:, cols], magnitude[:, cols], dtype_name, k) < 1, width
         start += width
     nout = sum(widths)
-    x_up, residual = random_array(rng, (rows, k), "float32"), random_array(rng, (rows, nout), "float32")
+    x_up, residual = random_array(rng, (rows, k), dtype_name), random_array(rng, (rows, nout), dtype_name)
     ref, magnitude = dense_reference(gated_activation(x, x_up), unpack(packed), bias, 0.75, residual=residual)
-    xd, ud, rd = (to_device(a, "float32") for a in (x, x_up, residual))
-    vd, bd = to_device(packed.values, "float32"), to_device(bias, "float32")
+    xd, ud, rd = (to_device(a, dtype_name) for a in (x, x_up, residual))
+    vd, bd = to_device(packed.values, dtype_name), to_device(bias, dtype_name)
     idx = torch.from_numpy(packed.indices.view(np.int32)).cuda()
-    need = kernels.cuda_workspace_bytes(rows, 2, 8, k, nout, "float32", "silu", "vector")
+    need = kernels.cuda_workspace_bytes(rows, 2, 8, k, nout, dtype_name, "silu", "vector")
     workspace = torch.empty(need, dtype=torch.uint8, device="cuda")
-    y = torch.full((rows, nout), float("nan"), device="cuda")
+    y = torch.full((rows, nout), float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name])
     kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), bd.data_ptr(), y.data_ptr(), rows, 2, 8, k,
-                           nout, "float32", 0.75, torch.cuda.current_stream().cuda_stream, "vector",
+                           nout, dtype_name, 0.75, torch.cuda.current_stream().cuda_stream, "vector",
                            residual=rd.data_ptr(), x_up=ud.data_ptr(), glu="silu", workspace=workspace.data_ptr(),
                            vector=32)
     torch.cuda.synchronize()
-    got = y.cpu().numpy().astype(np.float64)
-    assert error_ratio(got, ref, magnitude, "float32", k, rounded_input=True) < 1
+    got = y.float().cpu().numpy().astype(np.float64)
+    assert error_ratio(got, ref, magnitude, dtype_name, k, rounded_input=True) < 1
 
 
 @pytest.mark.parametrize("prologue", ["glu", "norm"])
@@ -264,7 +284,7 @@ def _pruned_block(rng, dtype, permute=False, fuse=True, vector=0):
 
 @pytest.mark.parametrize("dtype,permute,fuse,vector", [(np.float16, False, True, 0), (np.float32, False, True, 0),
                                                        (np.float16, True, True, 0), (np.float16, False, False, 0),
-                                                       (np.float32, False, True, 32)])
+                                                       (np.float32, False, True, 32), (np.float16, False, True, 32)])
 def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype, permute, fuse, vector):
     import onnx
     import onnxruntime as ort

@@ -1,5 +1,5 @@
-// cp.async wrappers (sm_80+): the warpgroup paths (wgmma_ops.cuh) and the vector-wise fp32
-// path (vector_tf32.cu) copy global -> shared with them.
+// cp.async wrappers (sm_80+): the warpgroup paths (wgmma_ops.cuh) and the vector-wise
+// path (vector.cu) copy global -> shared with them.
 #pragma once
 #include <cstdint>
 

@@ -22,17 +22,24 @@
 //    decode 1.06-1.33x the mma path for 2:8 and 1:8 with K = 4096; mma ahead at 2:4 and at
 //    K = 11008 or 14336, where decode stages K in two chunks); else decode up to 16 rows and the
 //    tiled SIMT path above.
-//  * fp32 weights whose columns share offsets in blocks of 32 (`vector`): from 9 rows the
-//    vector-wise tensor-core path (vector_tf32.cu) where it applies. Session 21 (scratch timing
-//    of both paths at 17, 64, 128, 256 rows on 4096x4096, 11008x4096, 4096x14336; 2:4, 2:8,
-//    1:8): 1.86-11.7x the tiled path it replaces at every point. Session 22 (small row tiles,
-//    K split over a cluster): 1.04-6.9x cuBLAS fp32 from 17 rows on LLaMA shapes (17-512 rows
-//    swept on 4096x4096 and 11008x4096); against decode on those three shapes and families,
-//    2.7-6.2x at 9, 12 and 16 rows, 0.93-1.45x at 8 and 0.55-0.84x at 4, so 1..8 rows stay on
-//    decode.
+//  * Weights whose columns share offsets in blocks of 32 (`vector`): the vector-wise tensor-core
+//    path (vector.cu) where it applies, from 9 rows for fp32, and for fp16/bf16 at 9..64 rows
+//    where N/M <= 1/4.
+//    - fp32, session 21 (scratch timing of both paths at 17, 64, 128, 256 rows on 4096x4096,
+//      11008x4096, 4096x14336; 2:4, 2:8, 1:8): 1.86-11.7x the tiled path it replaces at every
+//      point. Session 22 (small row tiles, K split over a cluster): 1.04-6.9x cuBLAS fp32 from
+//      17 rows on LLaMA shapes (17-512 rows swept on 4096x4096 and 11008x4096); against decode
+//      on those three shapes and families, 2.7-6.2x at 9, 12 and 16 rows, 0.93-1.45x at 8 and
+//      0.55-0.84x at 4, so 1..8 rows stay on decode.
+//    - fp16, session 23 (`nmcli bench kernels --dtype float16 [--vector 32] --shapes llama`, and
+//      scratch/vec16.py forcing each path): against the element-wise choice (decode, mma or
+//      wgmma_sp) for 2:8, 1:8 and 1:4, 1.57-2.52x at 9 rows, 1.23-2.58x at 17, 0.90-1.56x at 64
+//      (below 1 only on the wide outputs 4096x11008 and 4096x14336 for 2:8 and 1:4); at 256 and
+//      4096 rows 0.41-0.94x of wgmma_sp; 2:4 loses to wgmma_sp at every row count. At 8 rows
+//      each won some (vector 4 of 7 points, by 1.05-1.27x; decode 3, by 1.04-1.14x) and at 2-4
+//      rows decode was 1.1-2.0x faster, so 1..8 rows stay on decode here too.
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 #include "kernels.cuh"
 #include "nm_matmul_cuda.h"
 
@@ -87,9 +94,7 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
     p.norm_weight = nullptr;
   }
   if (path == CudaPath::mma) return run_mma<T>(p, stream);
-  if constexpr (std::is_same_v<T, float>) {
-    if (path == CudaPath::vector) return run_vector_tf32(p, stream);
-  }
+  if (path == CudaPath::vector) return run_vector<T>(p, stream);
 #if defined(NMCLI_WITH_SM90A)
   if (path == CudaPath::wgmma) return run_wgmma<T>(p, stream);
   if (path == CudaPath::wgmma_sp) return run_wgmma_sp<T>(p, stream);
@@ -146,13 +151,14 @@ bool wgmma_supported(const CudaMatMul& call, bool sparse_tensor_cores) {
 }
 
 namespace {
-// The vector-wise fp32 path: columns promised to share offsets in blocks of 32 (or a multiple),
-// 16-byte aligned rows of X and of the values, compute capability 8.0+ (mma.sync on TF32).
+// The vector-wise path: columns promised to share offsets in blocks of 32 (or a multiple), rows
+// of X a whole number of 16-byte copies and 16-byte aligned like the values, compute capability
+// 8.0+ (mma.sync on TF32, fp16 and bf16).
 bool vector_supported(const CudaMatMul& call) {
   const bool aligned = (forms_activation(call) || reinterpret_cast<uintptr_t>(call.x) % 16 == 0) &&
                        reinterpret_cast<uintptr_t>(call.values) % 16 == 0;
-  return call.dtype == DType::f32 && call.vector > 0 && call.vector % 32 == 0 && call.shape.k % 4 == 0 && aligned &&
-         vector_tf32_family(call.shape.n, call.shape.m) && compute_capability() >= 80;
+  return call.vector > 0 && call.vector % 32 == 0 && call.shape.k % (16 / dtype_bytes(call.dtype)) == 0 && aligned &&
+         vector_family(call.shape.n, call.shape.m) && compute_capability() >= 80;
 }
 
 // Whether the decode kernel would stage this call's activations once (one K chunk).
@@ -182,7 +188,9 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
 
 CudaPath choose_path(const CudaMatMul& call) {
   if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
-  if (path_supported(call, CudaPath::vector)) return CudaPath::vector;
+  if (path_supported(call, CudaPath::vector) &&
+      (call.dtype == DType::f32 || (4 * call.shape.n <= call.shape.m && call.rows <= kVector16MaxRows)))
+    return CudaPath::vector;
   const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile *
                                ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);
   // The sparse tensor cores from 17 rows (from 9 for 2:4, which the decode kernel never takes

@@ -37,6 +37,7 @@ constexpr int64_t kWgmmaMinBlocks = 48;     // ... when its grid of smallest til
 constexpr int64_t kWgmmaSpMinBlocks = 16;   // the sparse one from 17 rows (9 for 2:4) with this many
 constexpr int64_t kWgmmaWeightTile = 128;   // weight rows per wgmma block
 constexpr int64_t kWgmmaMinRowTile = 64;    // its smallest activation tile
+constexpr int64_t kVector16MaxRows = 64;    // fp16/bf16 vector-wise calls take the vector path up to here
 
 // The residual added to output (row, col).
 template <typename T>
@@ -63,10 +64,10 @@ bool wgmma_device();              // the current device runs sm_90a code (comput
 // Sparse warpgroup (wgmma.mma_async.sp) path for 2:4, sm_90a only, built with run_wgmma.
 template <typename T> cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream);
 bool wgmma_sp_family(int n, int m);
-// Vector-wise fp32 path (vector_tf32.cu): the caller promises that columns share their offsets in
-// aligned blocks of 32; N and M powers of two with N/M in {1/2, 1/4, 1/8}, K % 4 == 0.
-cudaError_t run_vector_tf32(PathParams<float> p, cudaStream_t stream);
-bool vector_tf32_family(int n, int m);
+// Vector-wise path (vector.cu): the caller promises that columns share their offsets in aligned
+// blocks of 32; N and M powers of two with N/M in {1/2, 1/4, 1/8}, K a multiple of 16 bytes' elements.
+template <typename T> cudaError_t run_vector(PathParams<T> p, cudaStream_t stream);
+bool vector_family(int n, int m);
 
 // SMs of the current device (cached per device).
 int multiprocessor_count();

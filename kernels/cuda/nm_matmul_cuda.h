@@ -41,8 +41,8 @@ struct CudaMatMul {
 CudaPath choose_path(const CudaMatMul& call);
 // Whether `path` can run this call (decode: rows <= 16; mma: fp16/bf16 with M in {2,4,8,16};
 // wgmma: fp16/bf16 on compute capability 9.0, K % 8 == 0, the families wgmma.cu compiles;
-// wgmma_sp: the same for 2:4; vector: fp32 with `vector` a multiple of 32, N and M powers of
-// two with N/M in {1/2, 1/4, 1/8}, K % 4 == 0).
+// wgmma_sp: the same for 2:4; vector: `vector` a multiple of 32, N and M powers of two with N/M
+// in {1/2, 1/4, 1/8}, K a multiple of 4 (fp32) or 8 (fp16/bf16)).
 bool path_supported(const CudaMatMul& call, CudaPath path);
 const char* path_name(CudaPath path);
 // The path `path_name` spells as `name`; false when there is none.

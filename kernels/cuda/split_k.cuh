@@ -1,5 +1,5 @@
 // Split-K over a thread-block cluster (sm_90), shared by the mma path (mma.cu) and the vector-wise
-// fp32 path (vector_tf32.cu): the blocks of a cluster walk slices of one tile's K, write their
+// path (vector.cu): the blocks of a cluster walk slices of one tile's K, write their
 // partial tiles to their own shared memory, and sum them through distributed shared memory, so
 // there is no workspace and no second kernel.
 #pragma once

@@ -1,0 +1,425 @@
+// Vector-wise path: weights whose columns share their offsets in blocks of 32 (the op's `vector`
+// attribute, docs/FORMAT.md), on the tensor cores: fp16 and bf16 with mma.m16n8k16, fp32 with
+// three TF32 products per fp32 one (mma.m16n8k8).
+//
+// When 32 output columns keep the same K positions, their product is a dense one over the kept
+// positions only: gather those activation columns, multiply by the 32 columns' stored values.
+// A block covers kRows activation rows and 256 weight columns; each warp owns one 32-column block
+// and all kRows rows. Per stage (kPositions K positions, kEntries stored entries per column) the
+// block copies
+//  * the activation tile [kRows x kPositions] (padded rows),
+//  * the packed values of its 256 columns [256 x kEntries], as they are stored,
+//  * each warp's leader column's offset words for the stage,
+// with cp.async into a ring of stages. A warp decodes its kEntries offsets once per stage (lane
+// e holds entry e's position in the tile) and hands them around with shuffles; the A fragments
+// are then gathered straight from the activation tile (row, position), and the MMA's k indices
+// are mapped to stored entries so that a lane's B values of a column are one 8-byte load:
+//  * fp32, m16n8k8: k index t -> entry 2t, t + 4 -> 2t + 1;
+//  * fp16/bf16, m16n8k16: k indices 2t, 2t + 1, 2t + 8, 2t + 9 -> entries 4t .. 4t + 3.
+// Tiles (launch_rows): from 65 rows 128 x 256 with 16 entries per stage. The activation tile is
+// copied whole though each warp reads N/M of it, so at high sparsity the kernel is bound by L2 ->
+// shared-memory bytes per MMA; fp32 64-row tiles ran 104 / 175 / 285 effective TFLOP/s against
+// 111 / 188 / 283 for these at 16:32 / 8:32 / 4:32 on 4096^3 (BENCHMARKS.md, session 21).
+// Up to 64 rows, 32- or 64-row tiles with 32 entries per stage (for fp32 a whole 128-byte line of
+// each column's values), K split over a cluster (k_split) so that the few tiles fill the GPU: the
+// weight stream is the work there, and for fp32 32 entries ran 1.05-1.23x faster than 16
+// (session 22).
+//
+// fp32 accuracy from TF32 units (the 3xTF32 split): v = big + small with big = v rounded to TF32
+// and small = v - big (exact), which the MMA truncates to TF32; a*b ~= a_small*b_big +
+// a_big*b_small + a_big*b_big, accumulated in fp32, small terms first. The dropped small*small
+// term is below 2^-22 of the product and small's truncation below 2^-21.
+#include <algorithm>
+#include <type_traits>
+
+#include "async_copy.cuh"
+#include "common.cuh"
+#include "kernels.cuh"
+#include "split_k.cuh"
+
+namespace nmcli {
+namespace {
+
+constexpr int kWarps = 8;                 // one per 32-column block of the weight
+constexpr int kThreads = 32 * kWarps;
+constexpr int kCols = 32 * kWarps;        // weight columns per block
+constexpr int kOffsetWords = 8;           // a stage's offset fields (<= 32 x 5 bits) span at most 6 words
+constexpr int kSmemBudget = 220 * 1024;
+
+// Words per weight column in shared memory: at least `words`, padded so that a warp's B loads
+// (multiply_stage_*) hit different banks: fp32 lanes read 8-byte pairs, a half-warp 4 columns x 8
+// consecutive words (8 mod 16 apart); 16-bit lanes read single entries, a warp 8 columns x 2 words
+// (4 mod 8 apart).
+template <typename T>
+constexpr int column_words(int words) {
+  return sizeof(T) == 4 ? words + (24 - words % 16) % 16 : words + (12 - words % 8) % 8;
+}
+
+// kRows activation rows x kCols weight columns per block; per stage kEntries stored entries per
+// column, which span kPositions = kEntries * M/N positions of K. Sizes in elements of T.
+template <typename T, int kRatio, int kRowsArg, int kEntriesArg>
+struct VectorTile {
+  static constexpr int kRows = kRowsArg, kEntries = kEntriesArg, kPositions = kEntries * kRatio;
+  static constexpr int kChunk = 16 / sizeof(T);  // elements per 16-byte copy
+  static constexpr int kRowTiles = kRows / 16;   // m16 tiles per warp
+  // Rows of the activation tile are kPositions + 16 bytes: an odd multiple of 4 words, so the
+  // eight rows a gather reads start in eight different 16-byte bank groups (multiply_stage_*).
+  static constexpr int kXStride = kPositions + kChunk;
+  static constexpr int kWStride = column_words<T>(kEntries * static_cast<int>(sizeof(T)) / 4) * 4 / sizeof(T);
+  static constexpr int kXBytes = kRows * kXStride * sizeof(T);
+  static constexpr int kWBytes = kCols * kWStride * sizeof(T);
+  static constexpr int kStageBytes = kXBytes + kWBytes + kWarps * kOffsetWords * 4;
+  static constexpr int kStages = std::min(4, kSmemBudget / kStageBytes);
+  // The ring, or a split's partial tile (fp32) where that is larger: it is written over the ring.
+  static constexpr int kSmemBytes = std::max(kStages * kStageBytes, kRows * kCols * 4);
+  static_assert(kStages >= 2, "a ring needs two stages");
+  static_assert(kEntries % (sizeof(T) == 4 ? 8 : 16) == 0 && kEntries <= 32, "whole MMA k-steps, one entry per lane");
+};
+
+// v rounded to TF32 (nearest, ties away), by integer arithmetic: cvt.rna.tf32.f32 costs four
+// instructions on sm_90, this two. Infinities stay; a NaN still yields NaN through `small`.
+__device__ __forceinline__ uint32_t round_tf32(float v) { return (__float_as_uint(v) + 0x1000u) & 0xffffe000u; }
+
+// The MMA reads `small` truncated to TF32 (it ignores the low 13 bits): measured as accurate as
+// rounding it here (error ratio <= 0.15 of the fp32 bound either way), for one instruction less.
+__device__ __forceinline__ void split_tf32(float v, uint32_t& big, uint32_t& small) {
+  big = round_tf32(v);
+  small = __float_as_uint(v - __uint_as_float(big));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16bit(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+// Two 16-bit values as one fragment register, the lower k index in the low half.
+__device__ __forceinline__ uint32_t pair(uint16_t lo, uint16_t hi) { return lo | static_cast<uint32_t>(hi) << 16; }
+
+// A thread's share of each stage's copies (cp.async, 16 bytes each): the same tile rows,
+// columns and chunks every stage, so the sources are set up once and advance by the stage.
+template <typename T, typename Tile>
+struct StageCopies {
+  static constexpr int kRows = Tile::kRows, kEntries = Tile::kEntries, kPositions = Tile::kPositions;
+  static constexpr int kChunk = Tile::kChunk;
+  static constexpr int kXChunks = kPositions / kChunk, kXRowsPerPass = kThreads / kXChunks, kXPasses = kRows / kXRowsPerPass;
+  static constexpr int kWChunks = kEntries / kChunk, kWColsPerPass = kThreads / kWChunks, kWPasses = kCols / kWColsPerPass;
+  static_assert(kThreads % kXChunks == 0 && kXPasses * kXRowsPerPass == kRows, "whole passes over the activation tile");
+  static_assert(kThreads % kWChunks == 0 && kWPasses * kWColsPerPass == kCols, "whole passes over the values");
+  const T* x;       // this thread's first activation chunk at stage 0
+  const T* values;  // ... and first packed-value chunk
+  const uint32_t* words;  // lanes < kOffsetWords: the warp's leader column's offset words
+  int64_t x_pass, w_pass;  // source distance between passes
+  int64_t k_chunk;         // K position of the chunk at stage 0
+  int x_rows_left, w_cols_left;  // rows (columns) of the tile that exist, from this thread's first
+  uint32_t x_dst, w_dst, words_dst;  // shared-memory byte offsets within a stage
+  bool leader;  // the warp's 32-column block exists
+
+  __device__ __forceinline__ StageCopies(const PathParams<T>& p, int64_t row0, int64_t col0, int warp, int lane) {
+    const int xr = threadIdx.x / kXChunks, xc = threadIdx.x % kXChunks;
+    const int wc = threadIdx.x / kWChunks, wq = threadIdx.x % kWChunks;
+    x = p.x + (row0 + xr) * p.k + kChunk * xc;
+    values = p.values + (col0 + wc) * p.row_len + kChunk * wq;
+    words = p.indices + (col0 + 32 * warp) * p.index_words + lane;
+    x_pass = kXRowsPerPass * p.k;
+    w_pass = kWColsPerPass * p.row_len;
+    k_chunk = kChunk * xc;
+    x_rows_left = static_cast<int>(min(p.rows - row0 - xr, static_cast<int64_t>(kRows)));
+    w_cols_left = static_cast<int>(min(p.nout - col0 - wc, static_cast<int64_t>(kCols)));
+    x_dst = (xr * Tile::kXStride + kChunk * xc) * sizeof(T);
+    w_dst = Tile::kXBytes + (wc * Tile::kWStride + kChunk * wq) * sizeof(T);
+    words_dst = Tile::kXBytes + Tile::kWBytes + (warp * kOffsetWords + lane) * 4;
+    leader = col0 + 32 * warp < p.nout;
+  }
+
+  // Copies stage `step` (K positions [step * kPositions, +kPositions), stored entries
+  // [step * kEntries, +kEntries), which lie within the row as kEntries divides 32) to the stage
+  // at `stage`; rows, columns and positions past the ends land as zeros.
+  __device__ __forceinline__ void load(const PathParams<T>& p, uint32_t stage, int64_t step, int lane) const {
+    const int64_t k0 = step * kPositions;
+    const bool k_ok = k_chunk + k0 < p.k;  // K % kChunk == 0: a chunk is all in K or all past it
+#pragma unroll
+    for (int i = 0; i < kXPasses; ++i) {
+      const bool ok = k_ok && i * kXRowsPerPass < x_rows_left;
+      sm90::cp_async16(stage + x_dst + i * kXRowsPerPass * Tile::kXStride * sizeof(T), ok ? x + i * x_pass + k0 : p.x,
+                       ok);
+    }
+    const int64_t j0 = step * kEntries;
+#pragma unroll
+    for (int i = 0; i < kWPasses; ++i) {
+      const bool ok = i * kWColsPerPass < w_cols_left;
+      sm90::cp_async16(stage + w_dst + i * kWColsPerPass * Tile::kWStride * sizeof(T),
+                       ok ? values + i * w_pass + j0 : p.values, ok);
+    }
+    if (lane < kOffsetWords) {
+      const int64_t word = (j0 * p.bits >> 5) + lane;
+      const bool ok = leader && word < p.index_words;
+      sm90::cp_async4(stage + words_dst, ok ? words + (j0 * p.bits >> 5) : p.indices, ok);
+    }
+  }
+};
+
+// One stage's products for fp32 (3xTF32, m16n8k8): kEntries / 8 k-steps.
+template <typename Tile>
+__device__ __forceinline__ void multiply_stage_tf32(float (&acc)[Tile::kRowTiles][4][4], const float* xs,
+                                                    const float* ws, int position, int g, int q) {
+  constexpr int kRowTiles = Tile::kRowTiles, kRowTilesAtOnce = kRowTiles < 4 ? kRowTiles : 4;  // A fragments held
+#pragma unroll
+  for (int s = 0; s < Tile::kEntries / 8; ++s) {
+    const int k_lo = __shfl_sync(0xffffffffu, position, 8 * s + 2 * q);
+    const int k_hi = __shfl_sync(0xffffffffu, position, 8 * s + 2 * q + 1);
+    uint32_t b_big[4][2], b_small[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float2 v = *reinterpret_cast<const float2*>(ws + (8 * nt + g) * Tile::kWStride + 8 * s + 2 * q);
+      split_tf32(v.x, b_big[nt][0], b_small[nt][0]);
+      split_tf32(v.y, b_big[nt][1], b_small[nt][1]);
+    }
+#pragma unroll
+    for (int m0 = 0; m0 < kRowTiles; m0 += kRowTilesAtOnce) {
+      uint32_t a_big[kRowTilesAtOnce][4], a_small[kRowTilesAtOnce][4];
+#pragma unroll
+      for (int i = 0; i < kRowTilesAtOnce; ++i) {
+        const float* row = xs + (16 * (m0 + i) + g) * Tile::kXStride;
+        split_tf32(row[k_lo], a_big[i][0], a_small[i][0]);
+        split_tf32(row[8 * Tile::kXStride + k_lo], a_big[i][1], a_small[i][1]);
+        split_tf32(row[k_hi], a_big[i][2], a_small[i][2]);
+        split_tf32(row[8 * Tile::kXStride + k_hi], a_big[i][3], a_small[i][3]);
+      }
+      // Three sweeps, small terms first: 16 independent MMAs between two on one accumulator.
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < kRowTilesAtOnce; ++i) mma_tf32(acc[m0 + i][nt], a_small[i], b_big[nt]);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < kRowTilesAtOnce; ++i) mma_tf32(acc[m0 + i][nt], a_big[i], b_small[nt]);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < kRowTilesAtOnce; ++i) mma_tf32(acc[m0 + i][nt], a_big[i], b_big[nt]);
+    }
+  }
+}
+
+// One stage's products for fp16 / bf16 (m16n8k16): kEntries / 16 k-steps. Lane (g, q)'s k
+// indices 2q, 2q + 1, 2q + 8 and 2q + 9 stand for entries q, q + 4, q + 8 and q + 12 of the k-step,
+// so each A gather (one load per lane: rows g or g + 8, one entry per q) reads 4 consecutive
+// entries: at N/M = 1/2 their positions lie in one 16-byte group of each row, and the rows' groups
+// in different banks (no conflict); at 1/4 and 1/8 in 2 and 4 groups, where rows share banks and
+// conflict when their offsets meet. B is 4 loads per column. (Four consecutive entries per lane
+// instead, one 8-byte B load, spread each gather over 16 entries: 1.13-1.51x slower at N/M = 1/2,
+// within 5% at 1/4 and 1/8 up to 64 rows; BENCHMARKS.md, session 23.)
+template <typename Tile, typename T>
+__device__ __forceinline__ void multiply_stage_16bit(float (&acc)[Tile::kRowTiles][4][4], const T* xs, const T* ws,
+                                                     int position, int g, int q) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(xs);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(ws);
+#pragma unroll
+  for (int s = 0; s < Tile::kEntries / 16; ++s) {
+    int k[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) k[j] = __shfl_sync(0xffffffffu, position, 16 * s + 4 * j + q);
+    uint32_t b[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const uint16_t* column = w + (8 * nt + g) * Tile::kWStride + 16 * s + q;
+      b[nt][0] = pair(column[0], column[4]), b[nt][1] = pair(column[8], column[12]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < Tile::kRowTiles; ++mt) {
+      const uint16_t* lo = x + (16 * mt + g) * Tile::kXStride;
+      const uint16_t* hi = lo + 8 * Tile::kXStride;
+      const uint32_t a[4] = {pair(lo[k[0]], lo[k[1]]), pair(hi[k[0]], hi[k[1]]), pair(lo[k[2]], lo[k[3]]),
+                             pair(hi[k[2]], hi[k[3]])};
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) mma_16bit<T>(acc[mt][nt], a, b[nt]);
+    }
+  }
+}
+
+template <typename T, typename Tile>
+__global__ void __launch_bounds__(kThreads, 1) vector_kernel(PathParams<T> p, int log2n, int log2m) {
+  constexpr int kRows = Tile::kRows, kEntries = Tile::kEntries, kPositions = Tile::kPositions;
+  constexpr int kRowTiles = Tile::kRowTiles;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRows, col0 = static_cast<int64_t>(blockIdx.x) * kCols;
+  // This block's stages [first, last): all of them unless a cluster of gridDim.z blocks splits K.
+  const int64_t steps = (p.groups * p.m + kPositions - 1) / kPositions, per_block = (steps + gridDim.z - 1) / gridDim.z;
+  const int64_t first = min(steps, blockIdx.z * per_block), last = min(steps, first + per_block);
+  const StageCopies<T, Tile> copies(p, row0, col0, warp, lane);
+  const uint32_t ring = sm90::smem_addr(smem);
+  float acc[kRowTiles][4][4] = {};
+
+  for (int64_t s = first; s < first + Tile::kStages - 1; ++s) {
+    if (s < last) copies.load(p, ring + (s % Tile::kStages) * Tile::kStageBytes, s, lane);
+    sm90::cp_async_commit();
+  }
+  for (int64_t step = first; step < last; ++step) {
+    sm90::cp_async_wait<Tile::kStages - 2>();
+    __syncthreads();  // stage `step` is in, and every warp is done with the slot refilled next
+    const int64_t next = step + Tile::kStages - 1;
+    if (next < last) copies.load(p, ring + (next % Tile::kStages) * Tile::kStageBytes, next, lane);
+    sm90::cp_async_commit();
+
+    const unsigned char* stage = smem + (step % Tile::kStages) * Tile::kStageBytes;
+    const T* xs = reinterpret_cast<const T*>(stage);
+    const T* ws = reinterpret_cast<const T*>(stage + Tile::kXBytes) + warp * 32 * Tile::kWStride;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + Tile::kXBytes + Tile::kWBytes) + warp * kOffsetWords;
+    // Lane e: the tile position of this stage's entry e (group e / N, offset from the leader's row).
+    const int64_t j0 = step * kEntries;
+    int position = 0;
+    if (lane < kEntries) {
+      const int bit = static_cast<int>((j0 + lane) * p.bits - ((j0 * p.bits >> 5) << 5));
+      position = ((lane >> log2n) << log2m) + static_cast<int>(read_bits(words, bit, p.bits) & ((1u << p.bits) - 1u));
+    }
+    if constexpr (std::is_same_v<T, float>)
+      multiply_stage_tf32<Tile>(acc, xs, ws, position, g, q);
+    else
+      multiply_stage_16bit<Tile, T>(acc, xs, ws, position, g, q);
+  }
+
+  if (gridDim.z > 1) {  // the ring is free once every warp is past its last stage
+    sm90::cp_async_wait<0>();
+    __syncthreads();
+    float* partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          partial[(16 * mt + g + 8 * (e >> 1)) * kCols + 32 * warp + 8 * nt + 2 * q + (e & 1)] = acc[mt][nt][e];
+    reduce_cluster<T, kRows, kCols, kThreads>(p, partial, row0, col0);
+    return;
+  }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int64_t col = col0 + 32 * warp + 8 * nt + 2 * q + c;
+      if (col >= p.nout) continue;
+      const float bias = p.bias ? to_f32(p.bias[col]) : 0.f;
+      const OutputColumn<T> y = p.y.column(col);
+#pragma unroll
+      for (int mt = 0; mt < kRowTiles; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t row = row0 + 16 * mt + g + 8 * h;
+          if (row < p.rows) y[row] = from_f32<T>(p.alpha * acc[mt][nt][2 * h + c] + bias + residual_at(p, row, col));
+        }
+      }
+    }
+  }
+}
+
+// Clusters of `split` blocks of kKernel that the device runs at once, one block per SM (cached
+// per device and split). Clusters must fit in one GPC, so this is less than SMs / split: 15
+// clusters of 8 on the H100 (132 SMs).
+template <auto kKernel>
+int64_t active_clusters(int split, int smem_bytes) {
+  static int known[64][9] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return multiprocessor_count() / split;
+  int& count = known[device][split];
+  if (count == 0) {
+    cudaLaunchAttribute cluster = {};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 1, cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = static_cast<unsigned>(split);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(1, 1, static_cast<unsigned>(split));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&count, kKernel, &config) != cudaSuccess || count <= 0) {
+      (void)cudaGetLastError();  // not the launch's error
+      count = std::max(1, multiprocessor_count() / split);
+    }
+  }
+  return count;
+}
+
+// Blocks of a cluster that split each tile's K (1 = no split), only where the tiles alone leave
+// SMs idle: splitting grids of several waves (4096 x 4096 x 11008) ran 1.08-1.29x slower. Of 1,
+// 2, 4 and 8 it takes the least waves x stages per block, a wave being as many clusters as run at
+// once, with at least 4 stages per block; ties go to the smaller split. On the H100, with 16 tiles
+// (N = 4096, up to 64 rows), 8-way splits take two waves (15 clusters at once) and ran
+// 1.03-1.22x slower than 4-way ones (BENCHMARKS.md, session 22).
+template <auto kKernel>
+int k_split(int64_t tiles, int64_t steps, int smem_bytes) {
+  if (compute_capability() < 90 || tiles >= multiprocessor_count()) return 1;  // clusters; a full grid
+  int best = 1;
+  int64_t best_cost = steps;  // one wave of whole-K blocks
+  for (const int split : {2, 4, 8}) {
+    if (steps < 4 * split) break;
+    const int64_t clusters = active_clusters<kKernel>(split, smem_bytes);
+    const int64_t cost = (tiles + clusters - 1) / clusters * ((steps + split - 1) / split);
+    if (cost < best_cost) best = split, best_cost = cost;
+  }
+  return best;
+}
+
+template <typename T, typename Tile>
+cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
+  constexpr auto kernel = vector_kernel<T, Tile>;
+  constexpr int kBytes = Tile::kSmemBytes, kPositions = Tile::kPositions, kRows = Tile::kRows;
+  if (const cudaError_t e = allow_dynamic_smem<kernel>(kBytes); e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>((p.nout + kCols - 1) / kCols),
+                  static_cast<unsigned>((p.rows + kRows - 1) / kRows));
+  const int log2n = __builtin_ctz(p.n), log2m = __builtin_ctz(p.m);
+  const int splits =
+      k_split<kernel>(static_cast<int64_t>(grid.x) * grid.y, (p.groups * p.m + kPositions - 1) / kPositions, kBytes);
+  if (splits == 1) {
+    kernel<<<grid, kThreads, kBytes, stream>>>(p, log2n, log2m);
+    return cudaGetLastError();
+  }
+  return launch_split_k(kernel, grid, kThreads, kBytes, stream, splits, false, p, log2n, log2m);
+}
+
+// The activation tile: the smallest of 32, 64 and 128 rows that holds the call's rows (128 past
+// that); with few rows the grid is small and k_split fills the GPU.
+template <typename T, int kRatio>
+cudaError_t launch_rows(const PathParams<T>& p, cudaStream_t stream) {
+  if (p.rows <= 32) return launch<T, VectorTile<T, kRatio, 32, 32>>(p, stream);
+  if (p.rows <= 64) return launch<T, VectorTile<T, kRatio, 64, 32>>(p, stream);
+  return launch<T, VectorTile<T, kRatio, 128, 16>>(p, stream);
+}
+
+bool power_of_two(int v) { return v > 0 && (v & (v - 1)) == 0; }
+
+}  // namespace
+
+bool vector_family(int n, int m) {
+  return power_of_two(n) && power_of_two(m) && (m == 2 * n || m == 4 * n || m == 8 * n);
+}
+
+// Stages span kEntries x 2, 4 or 8 K positions at N/M = 1/2, 1/4, 1/8.
+template <typename T>
+cudaError_t run_vector(PathParams<T> p, cudaStream_t stream) {
+  if (p.m == 2 * p.n) return launch_rows<T, 2>(p, stream);
+  if (p.m == 4 * p.n) return launch_rows<T, 4>(p, stream);
+  return launch_rows<T, 8>(p, stream);
+}
+
+template cudaError_t run_vector<float>(PathParams<float>, cudaStream_t);
+template cudaError_t run_vector<__half>(PathParams<__half>, cudaStream_t);
+template cudaError_t run_vector<__nv_bfloat16>(PathParams<__nv_bfloat16>, cudaStream_t);
+
+}  // namespace nmcli
