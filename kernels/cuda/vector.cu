@@ -12,10 +12,12 @@
 //  * each warp's leader column's offset words for the stage,
 // with cp.async into a ring of stages. A warp decodes its kEntries offsets once per stage (lane
 // e holds entry e's position in the tile) and hands them around with shuffles; the A fragments
-// are then gathered straight from the activation tile (row, position), and the MMA's k indices
-// are mapped to stored entries so that a lane's B values of a column are one 8-byte load:
-//  * fp32, m16n8k8: k index t -> entry 2t, t + 4 -> 2t + 1;
-//  * fp16/bf16, m16n8k16: k indices 2t, 2t + 1, 2t + 8, 2t + 9 -> entries 4t .. 4t + 3.
+// are then gathered straight from the activation tile (row, position). The MMA's k indices map
+// to stored entries:
+//  * fp32, m16n8k8: k index t -> entry 2t, t + 4 -> 2t + 1, so a lane's B values of a column are
+//    one 8-byte load;
+//  * fp16/bf16, m16n8k16: k indices 2t, 2t + 1, 2t + 8, 2t + 9 -> entries t, t + 4, t + 8, t + 12,
+//    so each gather load spans 4 consecutive entries (multiply_stage_16bit).
 // Tiles (launch_rows): from 65 rows 128 x 256 with 16 entries per stage. The activation tile is
 // copied whole though each warp reads N/M of it, so at high sparsity the kernel is bound by L2 ->
 // shared-memory bytes per MMA; fp32 64-row tiles ran 104 / 175 / 285 effective TFLOP/s against
@@ -23,7 +25,8 @@
 // Up to 64 rows, 32- or 64-row tiles with 32 entries per stage (for fp32 a whole 128-byte line of
 // each column's values), K split over a cluster (k_split) so that the few tiles fill the GPU: the
 // weight stream is the work there, and for fp32 32 entries ran 1.05-1.23x faster than 16
-// (session 22).
+// (session 22). The 16-bit kernels are latency-bound per stage (one 8-warp block per SM, issue
+// slots 13-29% busy, DRAM under 10%; session 23), so the dispatch uses them at 9-64 rows only.
 //
 // fp32 accuracy from TF32 units (the 3xTF32 split): v = big + small with big = v rounded to TF32
 // and small = v - big (exact), which the MMA truncates to TF32; a*b ~= a_small*b_big +
