@@ -49,6 +49,12 @@ namespace {
 // Whether the product reads a transformed activation A (gated or normalised), not X itself.
 bool forms_activation(const CudaMatMul& c) { return c.glu != Glu::none || c.norm_weight != nullptr; }
 
+// Whether the rows of the product's activation start 16-byte aligned: a gated or normalised call
+// reads A from the (aligned) workspace, others X itself.
+bool activation_aligned(const CudaMatMul& call) {
+  return forms_activation(call) || reinterpret_cast<uintptr_t>(call.x) % 16 == 0;
+}
+
 template <typename T>
 PathParams<T> typed(const CudaMatMul& c) {
   PathParams<T> p;
@@ -139,9 +145,7 @@ bool use_pdl() {
 bool wgmma_supported(const CudaMatMul& call, bool sparse_tensor_cores) {
 #if defined(NMCLI_WITH_SM90A)
   const int n = call.shape.n, m = call.shape.m;
-  // A gated or normalised call reads A from the (aligned) workspace.
-  const bool aligned = forms_activation(call) || reinterpret_cast<uintptr_t>(call.x) % 16 == 0;
-  return call.dtype != DType::f32 && call.shape.k % 8 == 0 && aligned &&
+  return call.dtype != DType::f32 && call.shape.k % 8 == 0 && activation_aligned(call) &&
          (sparse_tensor_cores ? wgmma_sp_family(n, m) : wgmma_family(n, m)) && wgmma_device();
 #else
   (void)call;
@@ -155,8 +159,7 @@ namespace {
 // of X a whole number of 16-byte copies and 16-byte aligned like the values, compute capability
 // 8.0+ (mma.sync on TF32, fp16 and bf16).
 bool vector_supported(const CudaMatMul& call) {
-  const bool aligned = (forms_activation(call) || reinterpret_cast<uintptr_t>(call.x) % 16 == 0) &&
-                       reinterpret_cast<uintptr_t>(call.values) % 16 == 0;
+  const bool aligned = activation_aligned(call) && reinterpret_cast<uintptr_t>(call.values) % 16 == 0;
   return call.vector > 0 && call.vector % 32 == 0 && call.shape.k % (16 / dtype_bytes(call.dtype)) == 0 && aligned &&
          vector_family(call.shape.n, call.shape.m) && compute_capability() >= 80;
 }

@@ -297,38 +297,25 @@ __global__ void __launch_bounds__(kThreads, 1) vector_kernel(PathParams<T> p, in
       multiply_stage_16bit<Tile, T>(acc, xs, ws, position, g, q);
   }
 
-  if (gridDim.z > 1) {  // the ring is free once every warp is past its last stage
+  // Outputs go straight out, or with K split over a cluster into this block's partial tile,
+  // which reduce_cluster sums (the ring is free once every warp is past its last stage).
+  const bool split = gridDim.z > 1;
+  float* partial = reinterpret_cast<float*>(smem);
+  if (split) {
     sm90::cp_async_wait<0>();
     __syncthreads();
-    float* partial = reinterpret_cast<float*>(smem);
-#pragma unroll
-    for (int mt = 0; mt < kRowTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          partial[(16 * mt + g + 8 * (e >> 1)) * kCols + 32 * warp + 8 * nt + 2 * q + (e & 1)] = acc[mt][nt][e];
-    reduce_cluster<T, kRows, kCols, kThreads>(p, partial, row0, col0);
-    return;
   }
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
+  for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int64_t col = col0 + 32 * warp + 8 * nt + 2 * q + c;
-      if (col >= p.nout) continue;
-      const float bias = p.bias ? to_f32(p.bias[col]) : 0.f;
-      const OutputColumn<T> y = p.y.column(col);
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int mt = 0; mt < kRowTiles; ++mt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t row = row0 + 16 * mt + g + 8 * h;
-          if (row < p.rows) y[row] = from_f32<T>(p.alpha * acc[mt][nt][2 * h + c] + bias + residual_at(p, row, col));
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * mt + g + 8 * (e >> 1), c = 32 * warp + 8 * nt + 2 * q + (e & 1);
+        if (split) partial[r * kCols + c] = acc[mt][nt][e];
+        else store_output<T>(p, row0 + r, col0 + c, acc[mt][nt][e]);
       }
-    }
-  }
+  if (split) reduce_cluster<T, kRows, kCols, kThreads>(p, partial, row0, col0);
 }
 
 // Clusters of `split` blocks of kKernel that the device runs at once, one block per SM (cached
