@@ -11,14 +11,15 @@
 // the offset words next to them; each thread then picks the halves of two offset words that the
 // instruction wants from it (lanes 4g and 4g + 1 of a warp, rows g and g + 8; wgmma_ops.cuh) --
 // no expansion at all. The activation tile, block shape and epilogue are the ones of wgmma.cu
-// (wgmma_tile.cuh); the steps run in groups so that metadata registers are only written with no
-// MMA in flight (see the kernel). Measured (BENCHMARKS.md): 0.93-1.12x cuBLAS dense at 4096 rows
-// on the LLaMA shapes, 1.27-1.51x the kernel before it (session 17); 0.98-1.21x with the offset
-// words by tensor copy (session 20). Writing a step's metadata
-// while the previous step's MMAs ran gave wrong results with the 256-row tile, two alternating
-// sets made ptxas serialize the MMAs, and draining after every step cost 8-13% against the
-// groups. Measured and not kept (session 17): clusters of 2 weight tiles sharing one activation
-// tile by TMA multicast (a few % slower than unshared tiles; clusters of 4: 0.5-1.0x of 2).
+// (wgmma_tile.cuh); the consumers keep one half group of MMAs in flight while they read the next
+// half's metadata into other registers (consume). Measured (BENCHMARKS.md): 0.93-1.12x cuBLAS
+// dense at 4096 rows on the LLaMA shapes, 1.27-1.51x the kernel before it (session 17); 0.98-1.21x
+// with the offset words by tensor copy (session 20); 1.02-1.13x with the halves (session 24). At
+// 4096 rows it then moves about as many bytes out of L2 as bulk copies into every SM can
+// (kernels/bench/mma_rate_probe.cu), while its MMAs alone could run about twice as fast.
+// Measured and not kept (session 17): clusters of 2 weight tiles sharing one activation tile by
+// TMA multicast (a few % slower than unshared tiles; clusters of 4: 0.5-1.0x of 2) -- multicast
+// copies land no more bytes per SM than plain ones (session 24's probe).
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
@@ -51,8 +52,9 @@ struct SpLayout {
   static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
   static constexpr size_t kMeta = static_cast<size_t>(kTileW) * kMetaWords * 4;
   static constexpr size_t kStage = (kX + kA + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
-  // Steps whose MMAs a warpgroup issues between two waits (see the kernel): 4, or 2 for the
-  // 256-row tile, whose stages are large enough that 4 would leave the ring too few to copy into.
+  // Steps per group (their offset words arrive together; consume issues them in two halves): 4,
+  // or 2 for the 256-row tile, whose stages are large enough that 4 would leave the ring too few
+  // to copy into.
   static constexpr int kGroup = kRows == 256 ? 2 : 4;
   static constexpr int kStages = static_cast<int>(216 * 1024 / (kStage + kMeta)) / kGroup * kGroup;
   static constexpr size_t kWords = kStages * kStage;
@@ -132,20 +134,17 @@ __device__ __forceinline__ void produce(int begin, int end, int lane, Bytes&& by
   }
 }
 
-// A consumer warpgroup's share of a group of L::kGroup steps from `stage` on (ring layout L: the
-// activation tile at each stage's start, the 2:4 tile at kX): the MMAs with the group's metadata,
-// drained before the caller writes metadata registers again (see wgmma_sp_kernel), then one
-// arrive per warp on each stage's "empty" barrier (8-byte barriers in a row from `empty`).
-template <typename L, int kRows, bool kBf16>
-__device__ __forceinline__ void multiply_group(float (&acc)[kRows / 2], uint32_t stage, int wg,
-                                               const uint32_t (&meta)[L::kGroup][kMetaWords], uint32_t empty,
-                                               int lane) {
+// Issues a consumer warpgroup's MMAs for kSteps steps from `stage` on (ring layout L) with their
+// metadata, as one commit group; the caller waits for it (wgmma_wait) before it writes `meta` again.
+template <typename L, int kSteps, int kRows, bool kBf16>
+__device__ __forceinline__ void issue_steps(float (&acc)[kRows / 2], uint32_t stage, int wg,
+                                            const uint32_t (&meta)[kSteps][kMetaWords]) {
   const uint64_t x_desc = sm90::sw128_desc(stage);
   const uint64_t a_desc = sm90::sw64_desc(stage + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2);
   sm90::fence_operands(acc);
   sm90::wgmma_fence();
 #pragma unroll
-  for (int g = 0; g < L::kGroup; ++g) {
+  for (int g = 0; g < kSteps; ++g) {
 #pragma unroll
     for (int k = 0; k < kMetaWords; ++k)
       sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kStage + k * 32),
@@ -153,13 +152,69 @@ __device__ __forceinline__ void multiply_group(float (&acc)[kRows / 2], uint32_t
   }
   sm90::wgmma_commit();
   sm90::fence_operands(acc);
-  sm90::wgmma_wait<0>();
-  sm90::fence_operands(acc);
+}
+
+// One arrive per warp on each of kSteps stages' "empty" barriers (8-byte barriers in a row).
+template <int kSteps>
+__device__ __forceinline__ void release_steps(uint32_t empty, int lane) {
   __syncwarp();
   if (lane == 0) {
 #pragma unroll
-    for (int g = 0; g < L::kGroup; ++g) sm90::mbarrier_arrive(empty + g * 8);
+    for (int g = 0; g < kSteps; ++g) sm90::mbarrier_arrive(empty + g * 8);
   }
+}
+
+// A consumer warpgroup's main loop over steps [begin, end) (whole groups of L::kGroup steps, at
+// least one) of ring layout L. wgmma reads its metadata register operand asynchronously (writing
+// it with its MMA in flight gave wrong results in session 17), and ptxas serializes the MMAs
+// (C7513) when a metadata register is written while an MMA that reads it is in flight; so each group is issued in two halves with their own registers: a half's MMAs
+// stay in flight while the next half's metadata is read (read_step(words, group_stage, g, phase)
+// waits for step g of the group at group_stage and fills its kMetaWords words) and its MMAs are
+// issued; then the warpgroup waits for the older half only and releases its stages. Until
+// session 24 each group drained all its MMAs before the next group's metadata was read (the halves:
+// 1.01-1.11x at 128-4096 rows on 17 of 18 points, BENCHMARKS.md). ptxas also serializes (C7518)
+// when a wait sits under a branch, hence the first group outside the loop.
+template <typename L, int kRows, bool kBf16, typename ReadStep>
+__device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int end, uint32_t ring, uint32_t empty0,
+                                        int wg, int lane, ReadStep&& read_step) {
+  constexpr int S = L::kStages, G = L::kGroup, H = G / 2;
+  static_assert(G % 2 == 0, "groups of two halves");
+  int s = 0;  // the group's first stage: groups never wrap around the ring (S is a multiple of G)
+  uint32_t phase = 0;
+  uint32_t meta[2][H][kMetaWords];
+  auto read = [&](uint32_t (&m)[H][kMetaWords], int half) {
+#pragma unroll
+    for (int i = 0; i < H; ++i) read_step(m[i], s, half * H + i, phase);
+  };
+  auto issue = [&](const uint32_t (&m)[H][kMetaWords], int half) {
+    issue_steps<L, H, kRows, kBf16>(acc, ring + static_cast<uint32_t>((s + half * H) * L::kStage), wg, m);
+  };
+  auto retire = [&](int stage, auto pending) {  // the half at `stage`, once `pending` halves are left in flight
+    sm90::wgmma_wait<decltype(pending)::value>();
+    sm90::fence_operands(acc);
+    release_steps<H>(empty0 + stage * 8, lane);
+  };
+  using One = std::integral_constant<int, 1>;
+  if (begin >= end) return;  // never with the splits launch_split picks; kept so a bad split cannot hang
+  read(meta[0], 0);
+  issue(meta[0], 0);
+  read(meta[1], 1);
+  issue(meta[1], 1);
+  retire(s, One{});
+  int last = s + H;  // the stage of the previous group's second half
+  s += G;
+  if (s == S) s = 0, phase ^= 1;
+  for (int t = begin + G; t < end; t += G) {
+    read(meta[0], 0);
+    issue(meta[0], 0);
+    retire(last, One{});
+    read(meta[1], 1);
+    issue(meta[1], 1);
+    retire(s, One{});
+    last = s + H, s += G;
+    if (s == S) s = 0, phase ^= 1;
+  }
+  retire(last, std::integral_constant<int, 0>{});
 }
 
 // Groups whose offsets read (0, 0) -- padding past the stored entries, rows past the end --
@@ -182,11 +237,8 @@ __device__ __forceinline__ uint32_t valid_metadata(uint32_t meta) {
 // for its own. (Until session 17 every thread issued 5 cp.async per step with 64-bit address
 // arithmetic -- about 85 instructions per step -- and both warpgroups met at a block barrier per
 // group of steps: BENCHMARKS.md.)
-// wgmma reads its metadata register operand asynchronously, and ptxas serializes the MMAs (C7513)
-// when a metadata register is written while any MMA is in flight, so a warpgroup reads the
-// metadata of a whole group of kGroup steps, issues their MMAs back to back and waits for them
-// before the next group. Writing a step's metadata while the previous step's MMAs ran gave wrong
-// results with the 256-row tile, and two alternating sets made ptxas serialize the MMAs.
+// The consumer warpgroups' loop is consume(): a group's metadata words are read from shared memory
+// a half group at a time, into registers no MMA in flight reads.
 // kEarly: launched as a programmatic dependent (grids of one wave, sm90::launch_early_or_not);
 // the next kernel may start at once, and this one copies its first weight tiles before it waits
 // for the previous one (produce). At 17-64 rows that made back-to-back calls 1.03-1.17x faster
@@ -281,23 +333,16 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
     // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
     const uint32_t halves = (lane & 1) ? 0x7632u : 0x5410u;
-    int s = 0;  // the group's first stage: groups never wrap around the ring (S is a multiple of G)
-    uint32_t phase = 0;
-    for (int t = begin; t < end; t += G) {
-      uint32_t meta[G][kMetaWords];
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kWords + s * L::kMeta);  // the group's
+    consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane,
+                             [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase) {
+                               sm90::mbarrier_wait(full(group_stage + g), phase);
+                               const uint32_t* words =
+                                   reinterpret_cast<const uint32_t*>(smem + L::kWords + group_stage * L::kMeta);
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        sm90::mbarrier_wait(full(s + g), phase);
-#pragma unroll
-        for (int k = 0; k < kMetaWords; ++k)
-          meta[g][k] = valid_metadata(__byte_perm(words[(row * G + g) * kMetaWords + k],
-                                                  words[((row + 8) * G + g) * kMetaWords + k], halves));
-      }
-      multiply_group<L, kRows, kBf16>(acc, stage_at(s), wg, meta, empty(s), lane);
-      s += G;
-      if (s == S) s = 0, phase ^= 1;
-    }
+                               for (int k = 0; k < kMetaWords; ++k)
+                                 m[k] = valid_metadata(__byte_perm(words[(row * G + g) * kMetaWords + k],
+                                                                   words[((row + 8) * G + g) * kMetaWords + k], halves));
+                             });
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
   if (sm90::reduce_split(acc, smem, consumer) && consumer) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, lane & 3);
@@ -447,7 +492,7 @@ struct RegroupLayout {
   static constexpr size_t kMeta = kThreads * 4;
   static constexpr size_t kStage = (kX + kA + kPacked + kMeta + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
   static constexpr int kFit = static_cast<int>(216 * 1024 / kStage);
-  static constexpr int kGroup = kFit >= 8 ? 4 : 2;  // steps multiplied together (see wgmma_sp_kernel)
+  static constexpr int kGroup = kFit >= 8 ? 4 : 2;  // steps per group, issued in halves (consume)
   static constexpr int kStages = kFit / kGroup * kGroup;
   static constexpr size_t kBarriers = kStages * kStage;
   static constexpr size_t kTable = kBarriers + 3 * kStages * 8;
@@ -554,21 +599,13 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     const int wg = warp >> 2;
     // This thread's metadata word for MMA k of a step: chunk 2k + (lane & 1) of its quad's rows.
     const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
-    int s = 0;  // the group's first stage: groups never wrap around the ring (S is a multiple of G)
-    uint32_t phase = 0;
-    for (int t = begin; t < end; t += G) {
-      uint32_t words[G][kMetaWords];
+    consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane,
+                             [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase) {
+                               sm90::mbarrier_wait(full(group_stage + g), phase);  // the activation tile
+                               sm90::mbarrier_wait(ready(group_stage + g), phase);
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        sm90::mbarrier_wait(full(s + g), phase);  // the activation tile (the regrouping waited too)
-        sm90::mbarrier_wait(ready(s + g), phase);
-#pragma unroll
-        for (int k = 0; k < kMetaWords; ++k) words[g][k] = meta(s + g)[meta_reader + 2 * k];
-      }
-      multiply_group<L, kRows, kBf16>(acc, stage_at(s), wg, words, empty(s), lane);
-      s += G;
-      if (s == S) s = 0, phase ^= 1;
-    }
+                               for (int k = 0; k < kMetaWords; ++k) m[k] = meta(group_stage + g)[meta_reader + 2 * k];
+                             });
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
   if (sm90::reduce_split(acc, smem, consumer) && consumer) {
