@@ -136,6 +136,8 @@ void run(int sms, float* out, const uint8_t* src, unsigned long long* copied, lo
       cudaMemcpy(host_cycles, cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost);
     }
   }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     std::printf("error: %s\n", cudaGetErrorString(e));
     return;
@@ -186,12 +188,12 @@ void copies(int sms, const uint8_t* src, long long* cycles, int depth_only = 0) 
   const int smem = 8 * 16 * 1024 + 64 + 1024, copies = 4000;
   cudaFuncSetAttribute(copy_only, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   long long host_cycles[1024];
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
   for (int depth : {1, 2, 4, 8}) {
     if (depth_only && depth != depth_only) continue;
     float best = 1e30f;
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
     for (int rep = 0; rep < 5; ++rep) {
       cudaEventRecord(e0);
       copy_only<<<sms, 32, smem>>>(src, copies, depth, cycles);
@@ -207,6 +209,8 @@ void copies(int sms, const uint8_t* src, long long* cycles, int depth_only = 0) 
     std::printf("copies only, %d x 16 KB in flight per SM: %6.1f B/cycle/SM, %6.0f GB/s over %d SMs\n", depth,
                 bytes / static_cast<double>(max_cycles), bytes * sms / (best * 1e-3) / 1e9, sms);
   }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
 }
 
 // Pairs of SMs (clusters of 2) that each bring half of every 16 KB piece and multicast it to
@@ -275,6 +279,8 @@ void pairs(int sms, const uint8_t* src, long long* cycles) {
     cudaEventElapsedTime(&ms, e0, e1);
     if (ms < best) best = ms, cudaMemcpy(host_cycles, cycles, blocks * sizeof(long long), cudaMemcpyDeviceToHost);
   }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) std::printf("error: %s\n", cudaGetErrorString(e));
   long long max_cycles = 0;
   for (int i = 0; i < blocks; ++i) max_cycles = host_cycles[i] > max_cycles ? host_cycles[i] : max_cycles;
