@@ -15,6 +15,7 @@
 // the rate (zeros here); the metadata is a valid constant.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "cuda/wgmma_ops.cuh"
@@ -45,7 +46,8 @@ __global__ void __launch_bounds__(128 * kWarpgroups + 32, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const uint32_t base = smem_addr(smem);
-  for (int i = threadIdx.x; i < P::kCopy / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < P::kCopy / 16; i += blockDim.x)
+    reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
   __shared__ volatile int done;
   if (threadIdx.x == 0) {
     done = 0;
@@ -86,7 +88,8 @@ __global__ void __launch_bounds__(128 * kWarpgroups + 32, 1)
       wgmma_fence();
       if constexpr (kSparse) {
 #pragma unroll
-        for (int k = 0; k < 2; ++k) wgmma_sp<kN, false>(acc, desc_plus(a_desc, k * 32), desc_plus(b_desc, k * 64), meta);
+        for (int k = 0; k < 2; ++k)
+          wgmma_sp<kN, false>(acc, desc_plus(a_desc, k * 32), desc_plus(b_desc, k * 64), meta);
       } else {
 #pragma unroll
         for (int k = 0; k < 4; ++k) wgmma<kN, false>(acc, desc_plus(a_desc, k * 32), desc_plus(b_desc, k * 32));
@@ -110,46 +113,63 @@ __global__ void __launch_bounds__(128 * kWarpgroups + 32, 1)
 #endif
 }
 
-template <int kN, bool kSparse, int kWarpgroups, bool kCopies>
-void run(int sms, float* out, const uint8_t* src, unsigned long long* copied, long long* cycles) {
-  auto kernel = rate<kN, kSparse, kWarpgroups, kCopies>;
-  const int smem = Probe<kN>::kBytes;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const int iters = 20000;
+// The fastest of five launches of a grid of `blocks`: its milliseconds (CUDA events) and the SM
+// cycles of its slowest block (each block writes its own to `cycles`); `best()` runs right after
+// the fastest so far, to read back anything else it counted. ok is false on a launch error.
+struct Timing {
+  double ms = 1e30, cycles = 0;
+  bool ok = true;
+};
+
+template <typename Launch, typename Best>
+Timing best_of_five(int blocks, const long long* cycles, Launch&& launch, Best&& best) {
+  Timing t;
+  long long host_cycles[1024];
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  float best = 1e30f;
-  unsigned long long bytes = 0;
-  long long host_cycles[1024];
   for (int rep = 0; rep < 5; ++rep) {
-    cudaMemset(copied, 0, sizeof(unsigned long long));
     cudaEventRecord(e0);
-    kernel<<<sms, 128 * kWarpgroups + 32, smem>>>(out, iters, src, copied, cycles);
+    launch();
     cudaEventRecord(e1);
     cudaEventSynchronize(e1);
     float ms = 0.f;
     cudaEventElapsedTime(&ms, e0, e1);
-    if (ms < best) {
-      best = ms;
-      cudaMemcpy(&bytes, copied, sizeof(bytes), cudaMemcpyDeviceToHost);
-      cudaMemcpy(host_cycles, cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost);
+    if (ms < t.ms) {
+      t.ms = ms;
+      cudaMemcpy(host_cycles, cycles, blocks * sizeof(long long), cudaMemcpyDeviceToHost);
+      best();
     }
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     std::printf("error: %s\n", cudaGetErrorString(e));
-    return;
+    t.ok = false;
   }
-  long long max_cycles = 0;
-  for (int i = 0; i < sms; ++i) max_cycles = host_cycles[i] > max_cycles ? host_cycles[i] : max_cycles;
-  const double flops = 2.0 * 64 * kN * 64 * iters * kWarpgroups * static_cast<double>(sms);
-  const double per_cycle = 2.0 * 64 * kN * 64 * iters * kWarpgroups / static_cast<double>(max_cycles);
+  for (int i = 0; i < blocks; ++i) t.cycles = std::max(t.cycles, static_cast<double>(host_cycles[i]));
+  return t;
+}
+
+template <int kN, bool kSparse, int kWarpgroups, bool kCopies>
+void run(int sms, float* out, const uint8_t* src, unsigned long long* copied, long long* cycles) {
+  auto kernel = rate<kN, kSparse, kWarpgroups, kCopies>;
+  const int smem = Probe<kN>::kBytes, iters = 20000;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  unsigned long long bytes = 0;
+  const Timing t = best_of_five(
+      sms, cycles,
+      [&] {
+        cudaMemset(copied, 0, sizeof(unsigned long long));
+        kernel<<<sms, 128 * kWarpgroups + 32, smem>>>(out, iters, src, copied, cycles);
+      },
+      [&] { cudaMemcpy(&bytes, copied, sizeof(bytes), cudaMemcpyDeviceToHost); });
+  if (!t.ok) return;
+  const double per_sm = 2.0 * 64 * kN * 64 * iters * kWarpgroups;  // dense-equivalent FLOP
   std::printf("%-6s m64n%-3d %d warpgroup%s %-11s %7.1f TFLOP/s  %6.0f FLOP/cycle/SM  copies %5.1f B/cycle/SM\n",
               kSparse ? "sparse" : "dense", kN, kWarpgroups, kWarpgroups > 1 ? "s" : " ",
-              kCopies ? "+ copies" : "", flops / (best * 1e-3) / 1e12, per_cycle,
-              static_cast<double>(bytes) / sms / static_cast<double>(max_cycles));
+              kCopies ? "+ copies" : "", per_sm * sms / (t.ms * 1e-3) / 1e12, per_sm / t.cycles,
+              static_cast<double>(bytes) / sms / t.cycles);
 }
 
 // Copies alone: every SM's one warp keeps `depth` bulk copies of 16 KB in flight from an
@@ -187,30 +207,14 @@ __global__ void copy_only(const uint8_t* src, int copies, int depth, long long* 
 void copies(int sms, const uint8_t* src, long long* cycles, int depth_only = 0) {
   const int smem = 8 * 16 * 1024 + 64 + 1024, copies = 4000;
   cudaFuncSetAttribute(copy_only, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  long long host_cycles[1024];
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
   for (int depth : {1, 2, 4, 8}) {
     if (depth_only && depth != depth_only) continue;
-    float best = 1e30f;
-    for (int rep = 0; rep < 5; ++rep) {
-      cudaEventRecord(e0);
-      copy_only<<<sms, 32, smem>>>(src, copies, depth, cycles);
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float ms = 0.f;
-      cudaEventElapsedTime(&ms, e0, e1);
-      if (ms < best) best = ms, cudaMemcpy(host_cycles, cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost);
-    }
-    long long max_cycles = 0;
-    for (int i = 0; i < sms; ++i) max_cycles = host_cycles[i] > max_cycles ? host_cycles[i] : max_cycles;
+    const Timing t = best_of_five(
+        sms, cycles, [&] { copy_only<<<sms, 32, smem>>>(src, copies, depth, cycles); }, [] {});
     const double bytes = 16.0 * 1024 * copies;
     std::printf("copies only, %d x 16 KB in flight per SM: %6.1f B/cycle/SM, %6.0f GB/s over %d SMs\n", depth,
-                bytes / static_cast<double>(max_cycles), bytes * sms / (best * 1e-3) / 1e9, sms);
+                bytes / t.cycles, bytes * sms / (t.ms * 1e-3) / 1e9, sms);
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
 
 // Pairs of SMs (clusters of 2) that each bring half of every 16 KB piece and multicast it to
@@ -265,29 +269,12 @@ void pairs(int sms, const uint8_t* src, long long* cycles) {
   const int smem = 8 * 16 * 1024 + 64 + 1024, rounds = 1000, depth = 8;
   cudaFuncSetAttribute(paired<kMulticast>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int blocks = sms / 2 * 2;
-  float best = 1e30f;
-  long long host_cycles[1024];
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  for (int rep = 0; rep < 5; ++rep) {
-    cudaEventRecord(e0);
-    paired<kMulticast><<<blocks, 32, smem>>>(src, rounds, depth, cycles);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms = 0.f;
-    cudaEventElapsedTime(&ms, e0, e1);
-    if (ms < best) best = ms, cudaMemcpy(host_cycles, cycles, blocks * sizeof(long long), cudaMemcpyDeviceToHost);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) std::printf("error: %s\n", cudaGetErrorString(e));
-  long long max_cycles = 0;
-  for (int i = 0; i < blocks; ++i) max_cycles = host_cycles[i] > max_cycles ? host_cycles[i] : max_cycles;
+  const Timing t = best_of_five(
+      blocks, cycles, [&] { paired<kMulticast><<<blocks, 32, smem>>>(src, rounds, depth, cycles); }, [] {});
   const double bytes = 16.0 * 1024 * depth * rounds;  // landed in each block's shared memory
   std::printf("pairs of SMs, %-19s %6.1f B/cycle/SM landed, %6.0f GB/s landed over %d SMs\n",
-              kMulticast ? "halves multicast:" : "each its own copy:", bytes / static_cast<double>(max_cycles),
-              bytes * blocks / (best * 1e-3) / 1e9, blocks);
+              kMulticast ? "halves multicast:" : "each its own copy:", bytes / t.cycles,
+              bytes * blocks / (t.ms * 1e-3) / 1e9, blocks);
 }
 
 template <int kN>

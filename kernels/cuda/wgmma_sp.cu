@@ -167,13 +167,14 @@ __device__ __forceinline__ void release_steps(uint32_t empty, int lane) {
 // A consumer warpgroup's main loop over steps [begin, end) (whole groups of L::kGroup steps, at
 // least one) of ring layout L. wgmma reads its metadata register operand asynchronously (writing
 // it with its MMA in flight gave wrong results in session 17), and ptxas serializes the MMAs
-// (C7513) when a metadata register is written while an MMA that reads it is in flight; so each group is issued in two halves with their own registers: a half's MMAs
-// stay in flight while the next half's metadata is read (read_step(words, group_stage, g, phase)
-// waits for step g of the group at group_stage and fills its kMetaWords words) and its MMAs are
-// issued; then the warpgroup waits for the older half only and releases its stages. Until
-// session 24 each group drained all its MMAs before the next group's metadata was read (the halves:
-// 1.01-1.11x at 128-4096 rows on 17 of 18 points, BENCHMARKS.md). ptxas also serializes (C7518)
-// when a wait sits under a branch, hence the first group outside the loop.
+// (C7513) when a metadata register is written while an MMA that reads it is in flight. So each
+// group is issued in two halves with their own registers: a half's MMAs stay in flight while the
+// next half's metadata is read (read_step(words, group_stage, g, phase) waits for step g of the
+// group at group_stage and fills its kMetaWords words) and its MMAs are issued; then the
+// warpgroup waits for the older half only and releases its stages. Until session 24 each group
+// drained all its MMAs before the next group's metadata was read (the halves: 1.01-1.11x at
+// 128-4096 rows on 17 of 18 points, BENCHMARKS.md). ptxas also serializes (C7518) when a wait
+// sits under a branch, hence the first group outside the loop.
 template <typename L, int kRows, bool kBf16, typename ReadStep>
 __device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int end, uint32_t ring, uint32_t empty0,
                                         int wg, int lane, ReadStep&& read_step) {
@@ -182,11 +183,9 @@ __device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int 
   int s = 0;  // the group's first stage: groups never wrap around the ring (S is a multiple of G)
   uint32_t phase = 0;
   uint32_t meta[2][H][kMetaWords];
-  auto read = [&](uint32_t (&m)[H][kMetaWords], int half) {
+  auto start = [&](uint32_t (&m)[H][kMetaWords], int half) {  // reads a half's metadata, issues its MMAs
 #pragma unroll
     for (int i = 0; i < H; ++i) read_step(m[i], s, half * H + i, phase);
-  };
-  auto issue = [&](const uint32_t (&m)[H][kMetaWords], int half) {
     issue_steps<L, H, kRows, kBf16>(acc, ring + static_cast<uint32_t>((s + half * H) * L::kStage), wg, m);
   };
   auto retire = [&](int stage, auto pending) {  // the half at `stage`, once `pending` halves are left in flight
@@ -196,20 +195,16 @@ __device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int 
   };
   using One = std::integral_constant<int, 1>;
   if (begin >= end) return;  // never with the splits launch_split picks; kept so a bad split cannot hang
-  read(meta[0], 0);
-  issue(meta[0], 0);
-  read(meta[1], 1);
-  issue(meta[1], 1);
+  start(meta[0], 0);
+  start(meta[1], 1);
   retire(s, One{});
   int last = s + H;  // the stage of the previous group's second half
   s += G;
   if (s == S) s = 0, phase ^= 1;
   for (int t = begin + G; t < end; t += G) {
-    read(meta[0], 0);
-    issue(meta[0], 0);
+    start(meta[0], 0);
     retire(last, One{});
-    read(meta[1], 1);
-    issue(meta[1], 1);
+    start(meta[1], 1);
     retire(s, One{});
     last = s + H, s += G;
     if (s == S) s = 0, phase ^= 1;
@@ -333,16 +328,15 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
     // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
     const uint32_t halves = (lane & 1) ? 0x7632u : 0x5410u;
-    consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane,
-                             [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase) {
-                               sm90::mbarrier_wait(full(group_stage + g), phase);
-                               const uint32_t* words =
-                                   reinterpret_cast<const uint32_t*>(smem + L::kWords + group_stage * L::kMeta);
+    auto read_step = [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase) {
+      sm90::mbarrier_wait(full(group_stage + g), phase);
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kWords + group_stage * L::kMeta);
 #pragma unroll
-                               for (int k = 0; k < kMetaWords; ++k)
-                                 m[k] = valid_metadata(__byte_perm(words[(row * G + g) * kMetaWords + k],
-                                                                   words[((row + 8) * G + g) * kMetaWords + k], halves));
-                             });
+      for (int k = 0; k < kMetaWords; ++k)
+        m[k] = valid_metadata(__byte_perm(words[(row * G + g) * kMetaWords + k],
+                                          words[((row + 8) * G + g) * kMetaWords + k], halves));
+    };
+    consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
   if (sm90::reduce_split(acc, smem, consumer) && consumer) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, lane & 3);
@@ -530,7 +524,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   auto empty = [&](int s) { return ready(S) + s * 8; };                                    // multiplied
   auto packed = [&](int s) { return smem + s * L::kStage + L::kX + L::kA; };
   auto meta = [&](int s) { return reinterpret_cast<uint32_t*>(smem + s * L::kStage + L::kX + L::kA + L::kPacked); };
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kRegroupThreads<kN, kRows>) / 32;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
@@ -596,22 +590,19 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
 #pragma unroll
     for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
     sm90::fence_operands(acc);
-    const int wg = warp >> 2;
     // This thread's metadata word for MMA k of a step: chunk 2k + (lane & 1) of its quad's rows.
     const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
-    consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane,
-                             [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase) {
-                               sm90::mbarrier_wait(full(group_stage + g), phase);  // the activation tile
-                               sm90::mbarrier_wait(ready(group_stage + g), phase);
+    auto read_step = [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase) {
+      sm90::mbarrier_wait(full(group_stage + g), phase);  // the activation tile
+      sm90::mbarrier_wait(ready(group_stage + g), phase);
 #pragma unroll
-                               for (int k = 0; k < kMetaWords; ++k) m[k] = meta(group_stage + g)[meta_reader + 2 * k];
-                             });
+      for (int k = 0; k < kMetaWords; ++k) m[k] = meta(group_stage + g)[meta_reader + 2 * k];
+    };
+    consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  if (sm90::reduce_split(acc, smem, consumer) && consumer) {
-    const int wg = warp >> 2;
+  if (sm90::reduce_split(acc, smem, consumer) && consumer)
     sm90::store_tile<T, kRows>(p, acc, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
-  }
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
