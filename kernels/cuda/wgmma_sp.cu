@@ -16,10 +16,14 @@
 // dense at 4096 rows on the LLaMA shapes, 1.27-1.51x the kernel before it (session 17); 0.98-1.21x
 // with the offset words by tensor copy (session 20); 1.02-1.13x with the halves (session 24). At
 // 4096 rows it then moves about as many bytes out of L2 as bulk copies into every SM can
-// (kernels/bench/mma_rate_probe.cu), while its MMAs alone could run about twice as fast.
-// Measured and not kept (session 17): clusters of 2 weight tiles sharing one activation tile by
-// TMA multicast (a few % slower than unshared tiles; clusters of 4: 0.5-1.0x of 2) -- multicast
-// copies land no more bytes per SM than plain ones (session 24's probe).
+// (kernels/bench/mma_rate_probe.cu), while its MMAs alone could run about twice as fast; but
+// those bytes are not the whole limit (below).
+// Measured and not kept: clusters of 2 weight tiles sharing one activation tile by TMA multicast
+// (session 17: a few % slower than unshared tiles; clusters of 4: 0.5-1.0x of 2) -- multicast
+// copies land no more bytes per SM than plain ones (session 24's probe); a tile of 256 weight x
+// 128 activation rows (session 25: 17% fewer bytes out of L2 per MMA than 128 x 256, and 0.81-0.91x
+// at 512-4096 rows); two steps' values in one tile of 128-byte rows, half the tensor-copy box rows
+// (session 25: 0.86-1.01x at 17-4096 rows).
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
@@ -86,13 +90,14 @@ __host__ __device__ bool offset_rows_aligned(const PathParams<T>& p) {
 }
 
 constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 kernel
-// Threads that regroup the tiles of a 1:4, 2:8 or 1:8 kernel (BENCHMARKS.md, session 18): two
-// warps with the 256-row tile, whose MMAs need 168 registers (352 threads leave them that, 416
-// -- allocated as 512 -- only 128), and for 2:8, where a warpgroup ran 0.93-0.96x of the old
-// kernel at 64 rows against 0.99-1.04x; a warpgroup for 1:4 and 1:8 with 64- and 128-row tiles
-// (0.92-0.99x there, against 0.81-0.92x with two warps).
+// Threads that regroup the tiles of a 1:4, 2:8 or 1:8 kernel (BENCHMARKS.md, sessions 18 and 25).
+// With the 256-row tile, whose MMAs need 168 registers, at most three warps (384 threads leave
+// them that; 416, allocated as 512, only 128): three for 1:4 and 1:8 (1.00-1.05x two warps at
+// 512 and 4096 rows), two for 2:8 (three ran 0.97-1.01x of two). With 64- and 128-row tiles: two
+// warps for 2:8, where a warpgroup ran 0.93-0.96x of the old kernel at 64 rows against
+// 0.99-1.04x, a warpgroup for 1:4 and 1:8 (0.92-0.99x there, against 0.81-0.92x with two warps).
 template <int kN, int kRows>
-constexpr int kRegroupThreads = kRows == 256 || kN == 2 ? 64 : 128;
+constexpr int kRegroupThreads = kRows == 256 ? (kN == 1 ? 96 : 64) : kN == 2 ? 64 : 128;
 
 // The producer warp's schedule in both kernels. Step t's copies go to stage t % S once the
 // consumers released it (`empty(s)`, phase parity): lane 0 tells the stage's `full` barrier the
@@ -418,12 +423,15 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, int64_t t, 
                                               uint32_t* meta, const uint2* table) {
   using R = Regroup<kN, kM>;
   using F = typename R::F;
-  constexpr int kPer = kThreads / kRegroupThreads;
+  constexpr int kPer = (kThreads + kRegroupThreads - 1) / kRegroupThreads;
+  // Whether share j is a consumer thread's (the last may run past the 256 when kRegroupThreads
+  // does not divide them: it then reads share 0 again and writes nothing).
+  auto live = [&](int j) { return kThreads % kRegroupThreads == 0 || i + j * kRegroupThreads < kThreads; };
   int rows[kPer], qs[kPer];
   uint32_t codes[kPer][2], values[kPer][2][2];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    const int v = i + j * kRegroupThreads, w = v >> 5, l = v & 31;
+    const int v = live(j) ? i + j * kRegroupThreads : i, w = v >> 5, l = v & 31;
     rows[j] = (w >> 2) * 64 + (w & 3) * 16 + (l >> 2);
     qs[j] = l & 3;
     const int bit = F::first_bit(t) + qs[j] * R::kChunkBits, word = bit >> 5, shift = bit & 31;
@@ -452,6 +460,7 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, int64_t t, 
         entries[j][h][g] = table[(codes[j][h] >> (g * F::kGroupBits)) & (R::kCodes - 1)];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
+    if (!live(j)) continue;
     uint32_t metadata = 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
