@@ -21,9 +21,9 @@
 // Measured and not kept: clusters of 2 weight tiles sharing one activation tile by TMA multicast
 // (session 17: a few % slower than unshared tiles; clusters of 4: 0.5-1.0x of 2) -- multicast
 // copies land no more bytes per SM than plain ones (session 24's probe); a tile of 256 weight x
-// 128 activation rows (session 25: 17% fewer bytes out of L2 per MMA than 128 x 256, and 0.81-0.91x
+// 128 activation rows (session 25: 17% fewer bytes out of L2 per MMA than 128 x 256, and 0.82-0.91x
 // at 512-4096 rows); two steps' values in one tile of 128-byte rows, half the tensor-copy box rows
-// (session 25: 0.86-1.01x at 17-4096 rows).
+// (session 25: 0.83-1.01x at 17-4096 rows).
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
@@ -92,10 +92,11 @@ __host__ __device__ bool offset_rows_aligned(const PathParams<T>& p) {
 constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 kernel
 // Threads that regroup the tiles of a 1:4, 2:8 or 1:8 kernel (BENCHMARKS.md, sessions 18 and 25).
 // With the 256-row tile, whose MMAs need 168 registers, at most three warps (384 threads leave
-// them that; 416, allocated as 512, only 128): three for 1:4 and 1:8 (1.00-1.05x two warps at
-// 512 and 4096 rows), two for 2:8 (three ran 0.97-1.01x of two). With 64- and 128-row tiles: two
-// warps for 2:8, where a warpgroup ran 0.93-0.96x of the old kernel at 64 rows against
-// 0.99-1.04x, a warpgroup for 1:4 and 1:8 (0.92-0.99x there, against 0.81-0.92x with two warps).
+// them that; 416, allocated as 512, only 128): three for 1:4 and 1:8 (1.00-1.05x as fast as
+// two warps at 512 and 4096 rows), two for 2:8 (three ran 0.97-1.01x of two). With 64- and
+// 128-row tiles: two warps for 2:8, where a warpgroup ran 0.93-0.96x of the old kernel at 64
+// rows against 0.99-1.04x, a warpgroup for 1:4 and 1:8 (0.92-0.99x there, against 0.81-0.92x
+// with two warps).
 template <int kN, int kRows>
 constexpr int kRegroupThreads = kRows == 256 ? (kN == 1 ? 96 : 64) : kN == 2 ? 64 : 128;
 
