@@ -46,6 +46,10 @@ struct NMShape {
 
 inline bool valid_pattern(int n, int m) { return 1 <= n && n < m && m <= kMaxM; }
 
+// Whether every weight of pattern n:m holds at most 2 entries in each aligned block of 4
+// positions, so it may carry a 2:4 copy (docs/FORMAT.md "A 2:4 copy"; nmcli.format.fits_two_of_four).
+inline bool fits_two_of_four(int n, int m) { return n == 1 || (n == 2 && m % 4 == 0 && m > 4); }
+
 // Bits [bit, bit + width) of a row of index words (width <= 32) in the low bits of the result;
 // the bits above them are whatever follows in the word read last, which is never one past the
 // field's own last word.

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .errors import NmcliError
-from .format import NMPattern, PackedShape, pack
+from .format import NMPattern, PackedShape, fits_two_of_four, pack, two_of_four_copy
 from .masks import choose_offsets
 
 NMSPARSE_MS = [1, 256, 1024, 4096]
@@ -43,6 +43,7 @@ class KernelRow:
     pct_copy_bw: float
     tflops: float          # effective: 2*m*k*n / time
     cublas_tflops: float
+    copy: bool = False     # the call read a 2:4 copy of the weight (prune --prefill-copy)
 
 
 def require_gpu():
@@ -114,17 +115,22 @@ def _sets_for(l2_bytes: int, bytes_per_set: int) -> int:
     return int(min(64, max(2, -(-4 * l2_bytes // max(bytes_per_set, 1)))))
 
 
-def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, vector: int = 0) -> str | None:
-    """The path a call runs on: the dispatch's choice for "auto", else `path` if it can run it."""
+def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, vector: int = 0,
+             copy: bool = False) -> str | None:
+    """The path a call runs on: the dispatch's choice for "auto", else `path` if it can run it
+    (`copy`: the call carries a 2:4 copy of its weight)."""
     from . import _kernels
 
     if path == "auto":
-        return _kernels.cuda_path(m, pattern.n, pattern.m, k, n, dtype, vector)
-    return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype, k, vector) else None
+        return _kernels.cuda_path(m, pattern.n, pattern.m, k, n, dtype, vector, copy)
+    return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype, k, vector, copy) else None
 
 
 def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float, l2_bytes: int,
-                replays: int = 20, rng=None, path: str = "auto", vector: int = 0) -> KernelRow:
+                replays: int = 20, rng=None, path: str = "auto", vector: int = 0, prefill_copy: bool = False
+                ) -> KernelRow:
+    """One call timed against cuBLAS. `prefill_copy`: the call also carries the weight packed as
+    2:4 (prune --prefill-copy) where its pattern fits that form."""
     from . import _kernels
 
     rng = rng or np.random.default_rng()
@@ -136,24 +142,31 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
     packed = pack(w, choose_offsets(np.abs(w), pattern, vector), pattern)
     values = torch.from_numpy(packed.values).to("cuda", tdtype)
     indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
-    per_set = values.numel() * itemsize + indices.numel() * 4 + (m * k + m * n) * itemsize
+    with_copy = prefill_copy and fits_two_of_four(pattern)
+    copy = two_of_four_copy(packed) if with_copy else None
+    chosen = path_for(m, k, n, pattern, dtype, path, vector, with_copy)
+    if chosen is None:
+        raise NmcliError(f"the {path} path cannot run {m}x{k}x{n} {pattern} {dtype}")
+    reads_copy = with_copy and chosen == "wgmma_sp"
+    read_shape = copy.shape if reads_copy else shape
+    per_set = read_shape.packed_bytes(itemsize) + (m * k + m * n) * itemsize
     sets = _sets_for(l2_bytes, per_set)
     vs = [values.clone() for _ in range(sets)]
     ids = [indices.clone() for _ in range(sets)]
+    cvs = [torch.from_numpy(copy.values).to("cuda", tdtype) for _ in range(sets)] if copy else []
+    cids = [torch.from_numpy(copy.indices.view(np.int32)).cuda() for _ in range(sets)] if copy else []
     xs = [torch.randn(m, k, device="cuda", dtype=tdtype) for _ in range(sets)]
     ys = [torch.empty(m, n, device="cuda", dtype=tdtype) for _ in range(sets)]
-    chosen = path_for(m, k, n, pattern, dtype, path, vector)
-    if chosen is None:
-        raise NmcliError(f"the {path} path cannot run {m}x{k}x{n} {pattern} {dtype}")
 
     def ours():
         stream = torch.cuda.current_stream().cuda_stream
         for i in range(sets):
+            copy_ptrs = dict(copy_values=cvs[i].data_ptr(), copy_indices=cids[i].data_ptr()) if copy else {}
             _kernels.nm_matmul_cuda(xs[i].data_ptr(), vs[i].data_ptr(), ids[i].data_ptr(), 0, ys[i].data_ptr(), m,
-                                    pattern.n, pattern.m, k, n, dtype, 1.0, stream, chosen, vector=vector)
+                                    pattern.n, pattern.m, k, n, dtype, 1.0, stream, chosen, vector=vector, **copy_ptrs)
 
     ours_ms = _time_graph(torch, ours, replays) / sets
-    del vs, ids
+    del vs, ids, cvs, cids
     dense_sets = _sets_for(l2_bytes, k * n * itemsize)
     ws = [torch.randn(k, n, device="cuda", dtype=tdtype) for _ in range(dense_sets)]
     xd = [xs[i % sets] for i in range(dense_sets)]
@@ -164,11 +177,12 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
             torch.matmul(xd[i], ws[i], out=yd[i])
 
     cublas_ms = _time_graph(torch, dense, replays) / dense_sets
-    moved = shape.packed_bytes(itemsize) + (m * k + m * n) * itemsize
+    moved = read_shape.packed_bytes(itemsize) + (m * k + m * n) * itemsize
     gbps = moved / (ours_ms * 1e-3) / 1e9
     flops = 2.0 * m * k * n
     return KernelRow(m, k, n, str(pattern), dtype, chosen, ours_ms, cublas_ms, cublas_ms / ours_ms, moved, gbps,
-                     100.0 * gbps / copy_gbps, flops / (ours_ms * 1e-3) / 1e12, flops / (cublas_ms * 1e-3) / 1e12)
+                     100.0 * gbps / copy_gbps, flops / (ours_ms * 1e-3) / 1e12, flops / (cublas_ms * 1e-3) / 1e12,
+                     reads_copy)
 
 
 def default_shapes(include_nmsparse=True, include_llama=True, rows=None) -> list[tuple[int, int, int]]:

@@ -166,6 +166,39 @@ def from_arrays(values: np.ndarray, indices: np.ndarray, n: int, m: int, k: int)
     return PackedWeight(values, indices, shape)
 
 
+TWO_OF_FOUR = NMPattern(2, 4)
+
+
+def fits_two_of_four(pattern: NMPattern) -> bool:
+    """Whether every weight of `pattern` holds at most 2 entries in each aligned block of 4
+    positions, so it can be stored a second time as 2:4 (docs/FORMAT.md, "A 2:4 copy"): N = 1
+    (4 consecutive positions meet at most 2 groups of M >= 2), or N = 2 with M a multiple of 4
+    (each block lies in one group). 2:4 itself is excluded: its copy would be the weight again."""
+    return pattern.n == 1 or (pattern.n == 2 and pattern.m % 4 == 0 and pattern.m > 4)
+
+
+def two_of_four_copy(packed: PackedWeight) -> PackedWeight:
+    """The same pruned weight packed as 2:4 (docs/FORMAT.md, "A 2:4 copy"): unpacks to exactly
+    the dense weight `packed` does. Each block of 4 positions keeps the positions `packed` stores
+    there, filled up to two with the lowest free positions (zeros)."""
+    pattern = packed.shape.pattern
+    if not fits_two_of_four(pattern):
+        raise ValueError(f"{pattern} weights do not fit 2:4 (need N = 1, or N = 2 with M a multiple of 4 above 4)")
+    k, nout = packed.shape.k, packed.shape.nout
+    shape = PackedShape(k, nout, TWO_OF_FOUR)
+    stored = np.zeros((nout, shape.groups * 4), dtype=bool)  # positions `packed` stores, per column
+    entries = np.arange(packed.shape.row_len)[None, :] < packed.shape.stored
+    positions = packed.positions()
+    rows, cols = np.nonzero(entries & (positions < k))
+    stored[rows, positions[rows, cols]] = True
+    blocks = stored.reshape(nout, shape.groups, 4)
+    if blocks.sum(axis=-1).max(initial=0) > 2:
+        raise ValueError("the weight holds more than 2 entries in a block of 4")
+    # Stored positions first, then the free ones, each in increasing order; keep two, sorted.
+    order = np.argsort(np.where(blocks, 0, 4) + np.arange(4), axis=-1, kind="stable")[..., :2]
+    return pack(unpack(packed), np.sort(order, axis=-1), TWO_OF_FOUR)
+
+
 def shares_offsets(indices: np.ndarray, vector: int) -> bool:
     """Whether the rows of `indices` [Nout, words] are equal within every aligned block of
     `vector` rows: what the op's `vector` attribute promises (docs/FORMAT.md)."""

@@ -14,6 +14,7 @@ from .fusion import fuse_neighbours, inferred_shapes
 from .graph import Candidate, Selection, _attr, find_candidates, subgraph_inputs, unique_name
 from .masks import CRITERIA, LayerContext, MaskCriterion, choose_offsets
 from .modelio import clamp_ir_version
+from .prefill_copy import add_prefill_copies, check_prefill_copy
 from .report import LayerReport, PruneReport, SkipReport
 
 MAX_OUTPUTS = 8  # outputs of one fused op: kMaxOutputParts in kernels/output_parts.h
@@ -139,8 +140,8 @@ def _rel_error(weight: np.ndarray, packed: nmformat.PackedWeight) -> float:
 
 def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "magnitude",
                 criterion: MaskCriterion | None = None, calibration: list[dict] | None = None,
-                permute: bool = False, fuse: bool = True, bias_correct: bool = False, vector: int = 0
-                ) -> tuple[onnx.ModelProto, PruneReport]:
+                permute: bool = False, fuse: bool = True, bias_correct: bool = False, vector: int = 0,
+                prefill_copy: bool = False) -> tuple[onnx.ModelProto, PruneReport]:
     """Return a pruned copy of `model` (the input is not modified) and the per-layer report.
 
     `calibration`: input feeds (one dict per sample) for activation-aware criteria.
@@ -152,9 +153,13 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     (any method; needs `calibration`).
     `vector` > 1: vector-wise N:M (masks.choose_offsets): aligned blocks of that many output
     columns keep the same positions, and the op node says so (attribute `vector`,
-    docs/FORMAT.md) where its blocks line up with the op's columns."""
+    docs/FORMAT.md) where its blocks line up with the op's columns.
+    `prefill_copy`: fp16/bf16 ops also get their weight packed as 2:4 (prefill_copy.py), which
+    the GPU's sparse tensor cores read instead of regrouping 1:4, 2:8 or 1:8 on every call."""
     criterion = criterion or get_criterion(method)
     check_vector(vector, criterion)
+    if prefill_copy:
+        check_prefill_copy(selection.pattern)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     candidates = find_candidates(out, selection)
@@ -164,6 +169,10 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     if not chosen:
         why = "no MatMul/Gemm nodes" if not candidates else "no MatMul/Gemm node with a prunable constant weight"
         raise ModelError(f"nothing to prune: {why}" + _skip_summary(report))
+
+    if prefill_copy and all(c.weight.dtype == np.float32 for c in chosen):
+        raise NmcliError("--prefill-copy: the sparse tensor cores take float16 and bfloat16 weights, and every "
+                         "weight to prune here is float32")
 
     graph = out.graph
     taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
@@ -237,6 +246,8 @@ def prune_model(model: onnx.ModelProto, selection: Selection, method: str = "mag
     if fuse:
         report.fused = fuse_neighbours(graph, inferred_shapes(model))
     _remove_dead(graph, [n for c in chosen for n in c.chain])
+    if prefill_copy:
+        report.prefill_copy_bytes = add_prefill_copies(graph, taken)
 
     if not any(o.domain == OP_DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))

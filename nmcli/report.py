@@ -38,6 +38,7 @@ class PruneReport:
     fused: dict[str, int] = field(default_factory=dict)  # neighbours moved into ops, by kind (fusion.py)
     bias_corrected: int = 0  # nodes whose bias got prune._bias_correction
     vector: int = 0  # columns per block sharing positions (0: element-wise)
+    prefill_copy_bytes: int = 0  # 2:4 copies of the weights added for the sparse tensor cores (prefill_copy.py)
 
     def _unique_layers(self) -> list[LayerReport]:
         seen, out = set(), []
@@ -63,6 +64,7 @@ class PruneReport:
             "fused": dict(self.fused),
             "bias_corrected": self.bias_corrected,
             "vector": self.vector,
+            "prefill_copy_bytes": self.prefill_copy_bytes,
             "totals": {"layers": len(self.layers), "weights": len(self._unique_layers()),
                        "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
                        "compression": self.bytes_before / self.bytes_after if self.bytes_after else None},

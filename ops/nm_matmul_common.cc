@@ -106,6 +106,20 @@ NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& a
   if (call.has_norm_weight != attrs.rms_norm) fail("input norm_weight goes with attribute norm, and only with it");
   if (call.has_norm_weight && ctx.GetInput(6).GetTensorTypeAndShapeInfo().GetShape() != std::vector<int64_t>{attrs.k})
     fail("norm_weight has shape " + dims_str(ctx.GetInput(6).GetTensorTypeAndShapeInfo().GetShape()) + ", expected [K]");
+  if (present(7) != present(8)) fail("inputs copy_values and copy_indices go together");
+  call.has_copy = present(7);
+  if (call.has_copy) {
+    if (!fits_two_of_four(attrs.n, attrs.m))
+      fail("a 2:4 copy needs a pattern that fits 2:4 (N = 1, or N = 2 with M a multiple of 4 above 4), not " +
+           std::to_string(attrs.n) + ":" + std::to_string(attrs.m));
+    const NMShape copy = NMShape::make(attrs.k, v_dims[0], 2, 4);
+    const auto cv_dims = ctx.GetInput(7).GetTensorTypeAndShapeInfo().GetShape();
+    const auto ci_dims = ctx.GetInput(8).GetTensorTypeAndShapeInfo().GetShape();
+    if (cv_dims != std::vector<int64_t>{v_dims[0], copy.row_len})
+      fail("copy_values have shape " + dims_str(cv_dims) + ", expected " + dims_str({v_dims[0], copy.row_len}));
+    if (ci_dims != std::vector<int64_t>{v_dims[0], copy.index_words})
+      fail("copy_indices have shape " + dims_str(ci_dims) + ", expected " + dims_str({v_dims[0], copy.index_words}));
+  }
   if (call.has_residual) {
     std::vector<int64_t> y_dims = x_dims;
     y_dims.back() = v_dims[0];

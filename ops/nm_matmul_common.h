@@ -1,12 +1,14 @@
 // What the CPU and CUDA kernels of nmcli.NMMatMul share: the op's signature, its attributes,
 // input validation (the only place that turns bad tensors into messages) and shape inference.
 //
-//   Y = NMMatMul(X, values, indices[, bias][, residual][, x_up][, norm_weight]; n, m, k, alpha[, glu]
-//                [, norm, norm_epsilon])
+//   Y = NMMatMul(X, values, indices[, bias][, residual][, x_up][, norm_weight][, copy_values, copy_indices];
+//                n, m, k, alpha[, glu][, norm, norm_epsilon])
 //   X [..., K] T, values [Nout, S] T, indices [Nout, S*B/32] uint32, bias [Nout] T -> Y [..., Nout] T
 //   Y = alpha * (A @ W) + bias + residual, A = X, or silu(X) * x_up (glu = "silu"), or
 //   X / sqrt(mean(X^2) + norm_epsilon) * norm_weight (norm = "rms")
 //   (residual: Y's shape; x_up: X's shape; norm_weight: [K]; docs/FORMAT.md "Fused neighbours").
+//   copy_values, copy_indices: the same weight packed as 2:4, for the sparse tensor cores
+//   (docs/FORMAT.md "A 2:4 copy"; the CPU kernel reads inputs 1 and 2).
 // With the optional attribute splits = [w_0, ..., w_p-1] (sum Nout, at most kMaxOutputParts) the
 // op has p outputs Y_i [..., w_i]: consecutive column ranges of Y (a fused sibling group, so no
 // Split has to copy them apart).
@@ -45,7 +47,7 @@ struct NMMatMulCall {
   int64_t rows = 0;                 // product of X's leading dims
   std::vector<int64_t> leading;     // X's leading dims
   std::vector<int64_t> widths;      // columns of each output ({Nout}, or the splits)
-  bool has_bias = false, has_residual = false, has_x_up = false, has_norm_weight = false;
+  bool has_bias = false, has_residual = false, has_x_up = false, has_norm_weight = false, has_copy = false;
   static NMMatMulCall check(Ort::KernelContext& ctx, const NMMatMulAttrs& attrs);
   // Allocates the outputs through ORT: output i is [leading..., widths[i]].
   OutputParts<void> outputs(Ort::KernelContext& ctx) const;
@@ -73,9 +75,10 @@ template <typename TOp, typename TKernel>
 struct NMMatMulOpBase : Ort::CustomOpBase<TOp, TKernel, true> {
   NMMatMulOpBase() { OrtCustomOp::InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* c) { return infer_output_shape(c); }; }
   const char* GetName() const { return kOpName; }
-  size_t GetInputTypeCount() const { return 7; }  // X, values, indices, bias, residual, x_up, norm_weight
+  // X, values, indices, bias, residual, x_up, norm_weight, copy_values, copy_indices
+  size_t GetInputTypeCount() const { return 9; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32 : TOp::kElementType;
+    return index == 2 || index == 8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32 : TOp::kElementType;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
     return index >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;

@@ -53,6 +53,8 @@ struct CudaKernel {
       m.glu = attrs_.glu;
       m.norm_weight = call.has_norm_weight ? ctx.GetInput(6).GetTensorRawData() : nullptr;
       m.norm_epsilon = attrs_.norm_epsilon;
+      m.copy_values = call.has_copy ? ctx.GetInput(7).GetTensorRawData() : nullptr;
+      m.copy_indices = call.has_copy ? ctx.GetInput(8).GetTensorData<uint32_t>() : nullptr;
       m.y = call.outputs(ctx);
       m.rows = call.rows;
       m.alpha = attrs_.alpha;

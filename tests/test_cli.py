@@ -74,6 +74,22 @@ def test_prune_default_output_name_and_json(tmp_path, model_file):
     assert all(0 < layer["rel_error"] < 1 for layer in report["layers"])
 
 
+def test_prune_prefill_copy(tmp_path, rng):
+    model, _ = transformer_block(rng, dtype=np.float16)
+    path = tmp_path / "block16.onnx"
+    onnx.save_model(model, str(path))
+    result = run("prune", path, "--nm", "2:8", "--prefill-copy", "-o", tmp_path / "out.onnx", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "2:4 copies for the sparse tensor cores: +" in result.stdout and "of dense)" in result.stdout
+    pruned = onnx.load(str(tmp_path / "out.onnx"))
+    assert all(len(n.input) == 9 for n in pruned.graph.node if n.op_type == "NMMatMul")
+    before = digest(path)
+    for nm, why in (("2:4", "it is 2:4 already"), ("4:16", "more than 2 of 4")):
+        refused = run("prune", path, "--nm", nm, "--prefill-copy", "-o", tmp_path / "no.onnx", cwd=tmp_path)
+        assert_one_line_error(refused, "--prefill-copy does not apply to " + nm, why)
+    assert digest(path) == before and not (tmp_path / "no.onnx").exists()
+
+
 def test_info(tmp_path, model_file):
     result = run("info", model_file, "--nm", "2:8", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import FAMILIES
 
-from nmcli.format import NMPattern, pack, shares_offsets, unpack
+from nmcli.format import NMPattern, PackedWeight, pack, shares_offsets, two_of_four_copy, unpack
 from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio, gated_activation, relative_error, rms_normalised
 
@@ -21,12 +21,17 @@ def to_device(array, dtype_name):
     return t.to("cuda", TORCH_DTYPE[dtype_name] if array.dtype.kind == "f" else None)
 
 
-def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None, vector=0):
+def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None, vector=0, copy=None):
     """The op's output as float64 parts: one [rows, Nout], or one per width (consecutive
-    columns in separate tensors, as a fused sibling group writes them). Outputs start poisoned."""
+    columns in separate tensors, as a fused sibling group writes them). Outputs start poisoned.
+    `copy`: the weight packed as 2:4 as well (docs/FORMAT.md "A 2:4 copy")."""
     k, nout = packed.shape.k, packed.shape.nout
     xd, vd = to_device(x, dtype_name), to_device(packed.values, dtype_name)
     idx = torch.from_numpy(packed.indices.view(np.int32)).cuda()
+    copy_ptrs = {}
+    if copy is not None:
+        copy_tensors = (to_device(copy.values, dtype_name), torch.from_numpy(copy.indices.view(np.int32)).cuda())
+        copy_ptrs = dict(copy_values=copy_tensors[0].data_ptr(), copy_indices=copy_tensors[1].data_ptr())
     bd = to_device(bias, dtype_name) if bias is not None else None
     rows = int(np.prod(x.shape[:-1]))
     ys = [torch.full((rows, width), float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name])
@@ -34,7 +39,8 @@ def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None, vector=0):
     y_arg = [y.data_ptr() for y in ys] if widths else ys[0].data_ptr()
     kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), bd.data_ptr() if bd is not None else 0,
                            y_arg, rows, packed.shape.pattern.n, packed.shape.pattern.m, k, nout, dtype_name,
-                           alpha, torch.cuda.current_stream().cuda_stream, path, widths or [], vector=vector)
+                           alpha, torch.cuda.current_stream().cuda_stream, path, widths or [], vector=vector,
+                           **copy_ptrs)
     torch.cuda.synchronize()
     return [y.float().cpu().numpy().astype(np.float64) for y in ys]
 
@@ -73,6 +79,36 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
     for path in paths_for(rows, pattern, dtype_name, k):
         [y] = run_cuda(x, packed, bias, 0.75, dtype_name, path)
+        assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
+
+
+def poisoned(packed):
+    """The packed weight with every stored value NaN: a call that reads it writes NaN."""
+    return PackedWeight(np.full_like(packed.values, np.nan), packed.indices, packed.shape)
+
+
+@pytest.mark.parametrize("n,m", [(1, 4), (2, 8), (1, 8), (1, 2), (2, 16), (1, 3)])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (9, 1024, 2048), (16, 2048, 77), (17, 136, 3000),
+                                         (64, 4104, 1030), (100, 333, 2000), (600, 4104, 130), (300, 136, 8000),
+                                         (1100, 264, 3900)])
+def test_cuda_reads_the_two_of_four_copy_on_the_sparse_tensor_cores(rng, n, m, dtype_name, rows, k, nout):
+    """Calls that carry a 2:4 copy of their weight: the sparse tensor-core path reads the copy,
+    every other path the weight. Each call gets the tensor it must not read poisoned with NaN and
+    must still match the float64 reference; the dispatch sends the call to the sparse tensor cores
+    exactly where it sends a 2:4 weight of the same shape."""
+    pattern = NMPattern(n, m)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
+    copy = two_of_four_copy(packed)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    auto = kernels.cuda_path(rows, n, m, k, nout, dtype_name, 0, True)
+    assert (auto == "wgmma_sp") == (kernels.cuda_path(rows, 2, 4, k, nout, dtype_name) == "wgmma_sp")
+    forced = [p for p in ("decode", "mma", "wgmma_sp", "tiled")
+              if kernels.cuda_path_supported(p, rows, n, m, dtype_name, k, 0, True)]
+    for path in ["auto"] + forced:
+        reads_copy = (auto if path == "auto" else path) == "wgmma_sp"
+        weight, its_copy = (poisoned(packed), copy) if reads_copy else (packed, poisoned(copy))
+        [y] = run_cuda(x, weight, bias, 0.75, dtype_name, path, copy=its_copy)
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
 
 
@@ -247,18 +283,20 @@ def test_cuda_copy_kernel_copies_and_refuses_misaligned():
             kernels.cuda_copy(*args)
 
 
-def test_ort_cuda_llama_block_with_fused_neighbours(rng):
+@pytest.mark.parametrize("prefill_copy", [False, True])
+def test_ort_cuda_llama_block_with_fused_neighbours(rng, prefill_copy):
     """A LLaMA-style block whose residual adds and SiLU gate moved into the op: CUDA EP (plain,
     and CUDA-graph replay at decode and prefill sizes, where the gate goes through ORT's arena)
-    against the CPU EP."""
+    against the CPU EP; with 2:4 copies too (at 200 tokens Q/K/V and gate/up read them)."""
     import onnxruntime as ort
 
     import nmcli
     from nmcli.llama import LlamaConfig, llama_model
     dense = llama_model(LlamaConfig(hidden=256, ffn=688, heads=4, layers=2, dtype="float16"), rng)
-    pruned, report = nmcli.prune_model(dense, nmcli.Selection(nmcli.NMPattern(2, 8)))
+    pruned, report = nmcli.prune_model(dense, nmcli.Selection(nmcli.NMPattern(2, 8)), prefill_copy=prefill_copy)
     assert report.fused == {"glu": 2, "norm": 4, "residual": 4}
-    for tokens in (1, 40):
+    assert (report.prefill_copy_bytes > 0) == prefill_copy
+    for tokens in (1, 40, 200):
         x = rng.standard_normal((1, tokens, 256)).astype(np.float16)
         (expected,) = nmcli.session(pruned).run(None, {"x": x})
         for graph in (False, True):
@@ -271,6 +309,34 @@ def test_ort_cuda_llama_block_with_fused_neighbours(rng):
             for _ in range(3):
                 sess.run_with_iobinding(binding)
                 assert relative_error(y_dev.numpy(), expected.astype(np.float64)) < 3e-3, (tokens, graph)
+
+
+def test_ort_cuda_op_passes_the_copy_to_the_sparse_tensor_cores(rng):
+    """A model whose weight values are NaN but whose 2:4 copy is right: on the CUDA EP, calls of
+    300 rows (the sparse tensor cores) match the CPU EP on the intact model; calls of 4 rows (the
+    decode path, which reads the weight) come out NaN. So the op passes the copy where it says."""
+    import nmcli
+    from models import matmul_model
+    from onnx import numpy_helper
+    w = rng.standard_normal((512, 2048)).astype(np.float16)
+    pruned, _ = nmcli.prune_model(matmul_model(w, ["rows", 512]), nmcli.Selection(nmcli.NMPattern(2, 8)),
+                                  prefill_copy=True)
+    broken = type(pruned)()
+    broken.CopyFrom(pruned)
+    values_name = next(n.input[1] for n in broken.graph.node if n.op_type == "NMMatMul")
+    for i, t in enumerate(broken.graph.initializer):
+        if t.name == values_name:
+            broken.graph.initializer[i].CopyFrom(
+                numpy_helper.from_array(np.full_like(numpy_helper.to_array(t), np.nan), values_name))
+    cuda = nmcli.session(broken, providers=["CUDAExecutionProvider"])
+    for rows in (300, 4):
+        x = rng.standard_normal((rows, 512)).astype(np.float16)
+        (expected,) = nmcli.session(pruned).run(None, {"x": x})
+        (got,) = cuda.run(None, {"x": x})
+        if rows == 300:
+            assert relative_error(got, expected.astype(np.float64)) < 2e-3
+        else:
+            assert np.isnan(got).all()
 
 
 def _pruned_block(rng, dtype, permute=False, fuse=True, vector=0):

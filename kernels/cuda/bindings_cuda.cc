@@ -47,6 +47,9 @@ OutputParts<void> parse_outputs(const py::object& y, const std::vector<int64_t>&
   return OutputParts<void>::split(bases.data(), splits.data(), static_cast<int>(splits.size()));
 }
 
+// Stands for a call's 2:4 copy where only whether there is one matters (choosing a path).
+alignas(16) const uint32_t kAnyCopy[4] = {};
+
 CudaPath parse_path(const std::string& name) {
   CudaPath path;
   if (!path_from_name(name.c_str(), &path))
@@ -63,9 +66,14 @@ void register_cuda_bindings(py::module_& mod) {
       [](uintptr_t x, uintptr_t values, uintptr_t indices, uintptr_t bias, const py::object& y, int64_t rows, int n, int m,
          int64_t k, int64_t nout, const std::string& dtype, float alpha, uintptr_t stream, const std::string& path,
          const std::vector<int64_t>& splits, uintptr_t residual, uintptr_t x_up, const std::string& glu,
-         uintptr_t workspace, uintptr_t norm_weight, float norm_epsilon, int64_t vector) {
+         uintptr_t workspace, uintptr_t norm_weight, float norm_epsilon, int64_t vector, uintptr_t copy_values,
+         uintptr_t copy_indices) {
         if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m");
+        if ((copy_values == 0) != (copy_indices == 0)) throw std::invalid_argument("copy_values and copy_indices go together");
+        if (copy_values && !fits_two_of_four(n, m)) throw std::invalid_argument("this n:m takes no 2:4 copy");
         CudaMatMul call;
+        call.copy_values = reinterpret_cast<const void*>(copy_values);
+        call.copy_indices = reinterpret_cast<const uint32_t*>(copy_indices);
         call.dtype = parse_dtype(dtype);
         call.x = reinterpret_cast<const void*>(x);
         call.values = reinterpret_cast<const void*>(values);
@@ -97,11 +105,12 @@ void register_cuda_bindings(py::module_& mod) {
       py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("alpha") = 1.0f, py::arg("stream") = 0,
       py::arg("path") = "auto", py::arg("splits") = std::vector<int64_t>{}, py::arg("residual") = 0,
       py::arg("x_up") = 0, py::arg("glu") = "none", py::arg("workspace") = 0, py::arg("norm_weight") = 0,
-      py::arg("norm_epsilon") = 0.0f, py::arg("vector") = 0,
+      py::arg("norm_epsilon") = 0.0f, py::arg("vector") = 0, py::arg("copy_values") = 0, py::arg("copy_indices") = 0,
       "Launch on device pointers (bias, residual may be 0; y one pointer, or a list with `splits`, the columns "
       "each holds; glu='silu' multiplies silu(x) * x_up, norm_weight normalises x by its RMS; both need "
-      "`workspace` on some paths; vector: columns promised to share offsets in blocks of this many). Asynchronous on "
-      "`stream`; no allocation.");
+      "`workspace` on some paths; vector: columns promised to share offsets in blocks of this many; copy_values, "
+      "copy_indices: the weight packed as 2:4, read by the sparse tensor-core path). Asynchronous on `stream`; no "
+      "allocation.");
   mod.def(
       "cuda_workspace_bytes",
       [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype, const std::string& glu,
@@ -144,29 +153,32 @@ void register_cuda_bindings(py::module_& mod) {
       py::arg("device") = 0, "(free, total) bytes of device memory, all processes and contexts included.");
   mod.def(
       "cuda_path",
-      [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype, int64_t vector) {
+      [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype, int64_t vector, bool copy) {
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
         call.rows = rows;
         call.shape = NMShape::make(k, nout, n, m);
         call.vector = vector;
+        if (copy) call.copy_values = call.copy_indices = kAnyCopy;
         return std::string(path_name(choose_path(call)));
       },
       py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype") = "float16",
-      py::arg("vector") = 0,
-      "The path the automatic dispatch takes for this call.");
+      py::arg("vector") = 0, py::arg("copy") = false,
+      "The path the automatic dispatch takes for this call (copy: with a 2:4 copy of the weight).");
   mod.def(
       "cuda_path_supported",
-      [](const std::string& path, int64_t rows, int n, int m, const std::string& dtype, int64_t k, int64_t vector) {
+      [](const std::string& path, int64_t rows, int n, int m, const std::string& dtype, int64_t k, int64_t vector,
+         bool copy) {
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
         call.rows = rows;
         call.shape = NMShape::make(k > 0 ? k : 8 * m, 1, n, m);
         call.vector = vector;
+        if (copy) call.copy_values = call.copy_indices = kAnyCopy;
         return path_supported(call, parse_path(path));
       },
       py::arg("path"), py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("dtype"), py::arg("k") = 0,
-      py::arg("vector") = 0,
+      py::arg("vector") = 0, py::arg("copy") = false,
       "Whether a path (decode, tiled, mma, wgmma, wgmma_sp, vector) can run calls of this kind (K = k, or a "
       "multiple of 8 when 0).");
 }

@@ -22,6 +22,12 @@
 //    decode 1.06-1.33x the mma path for 2:8 and 1:8 with K = 4096; mma ahead at 2:4 and at
 //    K = 11008 or 14336, where decode stages K in two chunks); else decode up to 16 rows and the
 //    tiled SIMT path above.
+//  * A call that carries a 2:4 copy of its weight (docs/FORMAT.md) takes the sparse tensor cores
+//    on the copy wherever 2:4 would (from 9 rows), unless the vector path takes it first. Session
+//    26 (scratch/copy_ab.py: the same calls with and without the copy, in one process, at 9, 12,
+//    16, 17, 64, 512 and 4096 rows on the five LLaMA shapes, 2:8, 1:4 and 1:8): the copy was
+//    faster at all 105 points, 1.38-2.28x against decode or mma at 9-16 rows, 1.14-1.81x against
+//    the regrouping kernel at 17-64, 1.03-1.45x at 512 and 4096.
 //  * Weights whose columns share offsets in blocks of 32 (`vector`): the vector-wise tensor-core
 //    path (vector.cu) where it applies, from 9 rows for fp32, and for fp16/bf16 at 9..64 rows
 //    where N/M <= 1/4.
@@ -110,6 +116,19 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
 
 size_t dtype_bytes(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
 
+bool has_copy(const CudaMatMul& c) { return c.copy_values != nullptr && c.copy_indices != nullptr; }
+
+// The call as the sparse tensor cores read it: its 2:4 copy in place of the weight, where it has one.
+CudaMatMul sparse_tensor_core_view(const CudaMatMul& c) {
+  if (!has_copy(c)) return c;
+  CudaMatMul view = c;
+  view.values = c.copy_values;
+  view.indices = c.copy_indices;
+  view.shape = NMShape::make(c.shape.k, c.shape.nout, 2, 4);
+  view.vector = 0;
+  return view;
+}
+
 }  // namespace
 
 int multiprocessor_count() {
@@ -183,7 +202,7 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
     case CudaPath::tiled: return true;
     case CudaPath::mma: return mma_supported(call.dtype == DType::f32 ? 4 : 2, call.shape.m);
     case CudaPath::wgmma: return wgmma_supported(call, false);
-    case CudaPath::wgmma_sp: return wgmma_supported(call, true);
+    case CudaPath::wgmma_sp: return wgmma_supported(sparse_tensor_core_view(call), true);
     case CudaPath::vector: return vector_supported(call);
   }
   return false;
@@ -198,7 +217,8 @@ CudaPath choose_path(const CudaMatMul& call) {
                                ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);
   // The sparse tensor cores from 17 rows (from 9 for 2:4, which the decode kernel never takes
   // there) once the grid has kWgmmaSpMinBlocks blocks; their split-K keeps small grids busy.
-  const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
+  const NMShape sparse = sparse_tensor_core_view(call).shape;
+  const bool two_of_four = sparse.n == 2 && sparse.m == 4;
   if ((call.rows > kDecodeMaxRows || two_of_four) && wgmma_blocks >= kWgmmaSpMinBlocks &&
       path_supported(call, CudaPath::wgmma_sp))
     return CudaPath::wgmma_sp;
@@ -253,10 +273,11 @@ int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
       (call.workspace == nullptr || reinterpret_cast<uintptr_t>(call.workspace) % 16 != 0))
     return cudaErrorInvalidValue;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const CudaMatMul used = path == CudaPath::wgmma_sp ? sparse_tensor_core_view(call) : call;
   switch (call.dtype) {
-    case DType::f32: return run<float>(call, stream, path);
-    case DType::f16: return run<__half>(call, stream, path);
-    case DType::bf16: return run<__nv_bfloat16>(call, stream, path);
+    case DType::f32: return run<float>(used, stream, path);
+    case DType::f16: return run<__half>(used, stream, path);
+    case DType::bf16: return run<__nv_bfloat16>(used, stream, path);
   }
   return cudaErrorInvalidValue;
 }

@@ -35,14 +35,19 @@ struct CudaMatMul {
   // Columns per aligned block that share one row of offsets (the op's `vector` attribute,
   // docs/FORMAT.md); 0 when nothing is promised. Paths that know it read one row per block.
   int64_t vector = 0;
+  // The same weight packed as 2:4 (docs/FORMAT.md "A 2:4 copy"), or null: where given, the sparse
+  // tensor-core path reads it instead of `values` and `indices`.
+  const void* copy_values = nullptr;        // [Nout, S4]
+  const uint32_t* copy_indices = nullptr;   // [Nout, S4/16]
 };
 
 // Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).
 CudaPath choose_path(const CudaMatMul& call);
 // Whether `path` can run this call (decode: rows <= 16; mma: fp16/bf16 with M in {2,4,8,16};
 // wgmma: fp16/bf16 on compute capability 9.0, K % 8 == 0, the families wgmma.cu compiles;
-// wgmma_sp: the same for 2:4; vector: `vector` a multiple of 32, N and M powers of two with N/M
-// in {1/2, 1/4, 1/8}, K a multiple of 4 (fp32) or 8 (fp16/bf16)).
+// wgmma_sp: the same for 2:4, 1:4, 2:8 and 1:8, or any pattern with a 2:4 copy; vector: `vector`
+// a multiple of 32, N and M powers of two with N/M in {1/2, 1/4, 1/8}, K a multiple of 4 (fp32)
+// or 8 (fp16/bf16)).
 bool path_supported(const CudaMatMul& call, CudaPath path);
 const char* path_name(CudaPath path);
 // The path `path_name` spells as `name`; false when there is none.
