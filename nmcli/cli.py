@@ -350,6 +350,9 @@ def demo(
     base = GPU_DEFAULT if chosen == "cuda" else CPU_DEFAULT
     config = LlamaConfig(hidden=hidden or base.hidden, ffn=ffn or base.ffn, heads=heads or base.heads,
                          layers=layers or base.layers, dtype=dtype or base.dtype).check()
+    if prefill_copy and config.dtype == "float32":
+        raise NmcliError("--prefill-copy needs --dtype float16: the sparse tensor cores take float16 and bfloat16 "
+                         "weights, and the block would be float32")
     if output_dir.exists() and not output_dir.is_dir():
         raise NmcliError(f"--output-dir {output_dir}: exists and is not a directory")
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -88,6 +88,8 @@ def test_prune_prefill_copy(tmp_path, rng):
         refused = run("prune", path, "--nm", nm, "--prefill-copy", "-o", tmp_path / "no.onnx", cwd=tmp_path)
         assert_one_line_error(refused, "--prefill-copy does not apply to " + nm, why)
     assert digest(path) == before and not (tmp_path / "no.onnx").exists()
+    fp32_demo = run("demo", "--device", "cpu", "--prefill-copy", "--output-dir", tmp_path / "demo", cwd=tmp_path)
+    assert_one_line_error(fp32_demo, "--prefill-copy needs --dtype float16")
 
 
 def test_info(tmp_path, model_file):
