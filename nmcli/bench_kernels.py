@@ -11,6 +11,7 @@ It needs PyTorch for device buffers and for cuBLAS; nmcli's kernels are called d
 """
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import asdict, dataclass
 
@@ -126,6 +127,21 @@ def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, 
     return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype, k, vector, copy) else None
 
 
+def _random_packed(k: int, n: int, pattern: NMPattern, vector: int, with_copy: bool, rng):
+    """A magnitude-pruned random weight [K, N] packed (and its 2:4 copy, or None)."""
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed = pack(w, choose_offsets(np.abs(w), pattern, vector), pattern)
+    return packed, two_of_four_copy(packed) if with_copy else None
+
+
+@functools.lru_cache(maxsize=6)
+def packed_weight(k: int, n: int, pattern: NMPattern, vector: int, with_copy: bool):
+    """_random_packed with fresh random data, kept for the next calls on the same weight shape:
+    packing tens of millions of weights on the host takes seconds, more than timing a call, so
+    a sweep over row counts packs each weight once (the weight's values do not change its time)."""
+    return _random_packed(k, n, pattern, vector, with_copy, np.random.default_rng())
+
+
 def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float, l2_bytes: int,
                 replays: int = 20, rng=None, path: str = "auto", vector: int = 0, prefill_copy: bool = False
                 ) -> KernelRow:
@@ -133,17 +149,15 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
     2:4 (prune --prefill-copy) where its pattern fits that form."""
     from . import _kernels
 
-    rng = rng or np.random.default_rng()
     tdtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     itemsize = torch.tensor([], dtype=tdtype).element_size()
     shape = PackedShape(k, n, pattern)
     # One packed weight from real random data, replicated on the device per set (same bytes).
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    packed = pack(w, choose_offsets(np.abs(w), pattern, vector), pattern)
+    with_copy = prefill_copy and fits_two_of_four(pattern)
+    packed, copy = packed_weight(k, n, pattern, vector, with_copy) if rng is None else \
+        _random_packed(k, n, pattern, vector, with_copy, rng)
     values = torch.from_numpy(packed.values).to("cuda", tdtype)
     indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
-    with_copy = prefill_copy and fits_two_of_four(pattern)
-    copy = two_of_four_copy(packed) if with_copy else None
     chosen = path_for(m, k, n, pattern, dtype, path, vector, with_copy)
     if chosen is None:
         raise NmcliError(f"the {path} path cannot run {m}x{k}x{n} {pattern} {dtype}")
