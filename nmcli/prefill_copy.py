@@ -14,7 +14,7 @@ from . import format as nmformat
 from .errors import NmcliError
 from .graph import unique_name
 
-COPY_VALUES, COPY_INDICES = 7, 8  # the op's inputs (docs/FORMAT.md)
+COPY_VALUES = 7  # the op's input copy_values; copy_indices follows it (docs/FORMAT.md)
 TENSOR_CORE_TYPES = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
