@@ -112,6 +112,23 @@ def test_cuda_reads_the_two_of_four_copy_on_the_sparse_tensor_cores(rng, n, m, d
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
 
 
+@pytest.mark.parametrize("n,m", [(1, 8), (2, 8), (1, 4)])
+@pytest.mark.parametrize("rows", [9, 32, 33, 64])
+def test_vector_weights_with_a_copy_take_the_measured_path(rng, n, m, rows):
+    """fp16 vector-wise weights that also carry a 2:4 copy: the vector path keeps 1:8 up to 32
+    rows, everything else goes to the copy (dispatch.cu, session 26); either way the result is
+    right, with the tensor the path must not read poisoned."""
+    pattern, k, nout = NMPattern(n, m), 1024, 2048
+    vector_path = 8 * n <= m and rows <= 32
+    assert kernels.cuda_path(rows, n, m, k, nout, "float16", 32, True) == ("vector" if vector_path else "wgmma_sp")
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, "float16", 32)
+    copy = two_of_four_copy(packed)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    weight, its_copy = (packed, poisoned(copy)) if vector_path else (poisoned(packed), copy)
+    [y] = run_cuda(x, weight, bias, 0.75, "float16", "auto", vector=32, copy=its_copy)
+    assert error_ratio(y, ref, magnitude, "float16", k) < 1
+
+
 @pytest.mark.parametrize("dtype_name", ["float16", "float32", "bfloat16"])
 @pytest.mark.parametrize("rows,k,widths", [(1, 4096, [64, 200, 33]), (12, 1000, [128, 7]), (16, 2048, [77, 128, 1]),
                                            (300, 520, [130, 256, 5, 64]), (1100, 264, [1000, 2000, 900])])
@@ -329,6 +346,7 @@ def test_ort_cuda_op_passes_the_copy_to_the_sparse_tensor_cores(rng):
             broken.graph.initializer[i].CopyFrom(
                 numpy_helper.from_array(np.full_like(numpy_helper.to_array(t), np.nan), values_name))
     cuda = nmcli.session(broken, providers=["CUDAExecutionProvider"])
+    assert cuda.get_providers()[0] == "CUDAExecutionProvider"  # not a silent fall-back to the CPU EP
     for rows in (300, 4):
         x = rng.standard_normal((rows, 512)).astype(np.float16)
         (expected,) = nmcli.session(pruned).run(None, {"x": x})

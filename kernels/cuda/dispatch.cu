@@ -27,7 +27,11 @@
 //    26 (scratch/copy_ab.py: the same calls with and without the copy, in one process, at 9, 12,
 //    16, 17, 64, 512 and 4096 rows on the five LLaMA shapes, 2:8, 1:4 and 1:8): the copy was
 //    faster at all 105 points, 1.38-2.28x against decode or mma at 9-16 rows, 1.14-1.81x against
-//    the regrouping kernel at 17-64, 1.03-1.45x at 512 and 4096.
+//    the regrouping kernel at 17-64, 1.03-1.45x at 512 and 4096. Vector-wise fp16 weights with a
+//    copy (`nmcli bench kernels --vector 32 --prefill-copy [--path wgmma_sp]`, 9-64 rows, same
+//    shapes): the vector path kept 1:8 up to 32 rows (copy 0.59-0.87x of it) and lost it from 48
+//    (1.01-1.27x); for 2:8 and 1:4 the copy ran 0.86-1.19x of the vector path at 9-32 rows (below
+//    1 mostly on 4096x14336) and 1.37-1.70x from 48, so those take the copy from 9 rows.
 //  * Weights whose columns share offsets in blocks of 32 (`vector`): the vector-wise tensor-core
 //    path (vector.cu) where it applies, from 9 rows for fp32, and for fp16/bf16 at 9..64 rows
 //    where N/M <= 1/4.
@@ -129,6 +133,14 @@ CudaMatMul sparse_tensor_core_view(const CudaMatMul& c) {
   return view;
 }
 
+// fp16/bf16 vector-wise weights: the vector path at 9..64 rows where N/M <= 1/4; with a 2:4 copy,
+// which runs the 2:4 kernel instead, only at 9..32 rows where N/M <= 1/8 (see the rule above).
+bool vector16_takes(const CudaMatMul& call) {
+  const int n = call.shape.n, m = call.shape.m;
+  if (has_copy(call)) return 8 * n <= m && call.rows <= kVector16CopyMaxRows;
+  return 4 * n <= m && call.rows <= kVector16MaxRows;
+}
+
 }  // namespace
 
 int multiprocessor_count() {
@@ -210,8 +222,7 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
 
 CudaPath choose_path(const CudaMatMul& call) {
   if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
-  if (path_supported(call, CudaPath::vector) &&
-      (call.dtype == DType::f32 || (4 * call.shape.n <= call.shape.m && call.rows <= kVector16MaxRows)))
+  if (path_supported(call, CudaPath::vector) && (call.dtype == DType::f32 || vector16_takes(call)))
     return CudaPath::vector;
   const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile *
                                ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);

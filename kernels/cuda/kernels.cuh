@@ -38,6 +38,7 @@ constexpr int64_t kWgmmaSpMinBlocks = 16;   // the sparse one from 17 rows (9 fo
 constexpr int64_t kWgmmaWeightTile = 128;   // weight rows per wgmma block
 constexpr int64_t kWgmmaMinRowTile = 64;    // its smallest activation tile
 constexpr int64_t kVector16MaxRows = 64;    // fp16/bf16 vector-wise calls take the vector path up to here
+constexpr int64_t kVector16CopyMaxRows = 32;  // ... and up to here when they carry a 2:4 copy (N/M <= 1/8 only)
 
 // The residual added to output (row, col).
 template <typename T>
