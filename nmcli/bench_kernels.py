@@ -119,9 +119,10 @@ def _sets_for(l2_bytes: int, bytes_per_set: int) -> int:
 def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, vector: int = 0,
              copy: bool = False) -> str | None:
     """The path a call runs on: the dispatch's choice for "auto", else `path` if it can run it
-    (`copy`: the call carries a 2:4 copy of its weight)."""
+    (`copy`: the call carries a 2:4 copy of its weight where the pattern fits that form)."""
     from . import _kernels
 
+    copy = copy and fits_two_of_four(pattern)
     if path == "auto":
         return _kernels.cuda_path(m, pattern.n, pattern.m, k, n, dtype, vector, copy)
     return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype, k, vector, copy) else None

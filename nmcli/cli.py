@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 from rich.table import Table
 
 from .errors import NmcliError
-from .format import NMPattern, PackedShape, fits_two_of_four
+from .format import NMPattern, PackedShape
 from .graph import Selection, find_candidates
 from .report import human_bytes
 
@@ -408,7 +408,7 @@ def bench_kernels(
     check_vector(vector)
     torch = bk.require_gpu()
     todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse", rows)
-            for p in patterns if bk.path_for(*s, p, dtype, path, vector, prefill_copy and fits_two_of_four(p))]
+            for p in patterns if bk.path_for(*s, p, dtype, path, vector, prefill_copy)]
     if not todo:
         raise NmcliError(f"the {path} path runs none of the selected shapes")
     props = torch.cuda.get_device_properties(0)

@@ -186,11 +186,9 @@ def two_of_four_copy(packed: PackedWeight) -> PackedWeight:
         raise ValueError(f"{pattern} weights do not fit 2:4 (need N = 1, or N = 2 with M a multiple of 4 above 4)")
     k, nout = packed.shape.k, packed.shape.nout
     shape = PackedShape(k, nout, TWO_OF_FOUR)
-    stored = np.zeros((nout, shape.groups * 4), dtype=bool)  # positions `packed` stores, per column
-    entries = np.arange(packed.shape.row_len)[None, :] < packed.shape.stored
-    positions = packed.positions()
-    rows, cols = np.nonzero(entries & (positions < k))
-    stored[rows, positions[rows, cols]] = True
+    # The positions `packed` stores, per column: unpack's own padding rules, on a weight of ones.
+    stored = np.zeros((nout, shape.groups * 4), dtype=bool)
+    stored[:, :k] = unpack(PackedWeight(np.ones(packed.values.shape, bool), packed.indices, packed.shape)).T
     blocks = stored.reshape(nout, shape.groups, 4)
     if blocks.sum(axis=-1).max(initial=0) > 2:
         raise ValueError("the weight holds more than 2 entries in a block of 4")
