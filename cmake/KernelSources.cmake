@@ -5,7 +5,7 @@ set(NMCLI_KERNEL_CUDA_FILES kernels/cuda/decode_f32.cu kernels/cuda/decode_f16.c
     kernels/cuda/copy.cu kernels/cuda/vector.cu)
 # Built for sm_90a only (wgmma), as a separate object library with its own -gencode: the
 # architecture-specific target cannot share a compile with the plain sm_90 one.
-set(NMCLI_KERNEL_SM90A_FILES kernels/cuda/wgmma.cu kernels/cuda/wgmma_sp.cu)
+set(NMCLI_KERNEL_SM90A_FILES kernels/cuda/wgmma.cu kernels/cuda/wgmma_sp.cu kernels/cuda/wgmma_tf32.cu)
 
 # Object library `name` with the sm_90a sources of the repository at `root`; the consumer links
 # $<TARGET_OBJECTS:name> and defines NMCLI_WITH_SM90A.

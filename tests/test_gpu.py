@@ -82,6 +82,27 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
 
 
+TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]
+
+
+@pytest.mark.parametrize("n,m", TF32_FAMILIES)
+@pytest.mark.parametrize("rows,k,nout", [(9, 4100, 300), (17, 4100, 300), (40, 1028, 2000), (64, 2052, 129),
+                                         (129, 516, 1000), (300, 4096, 4100), (1100, 132, 700)])
+def test_fp32_element_wise_calls_take_the_tf32_warpgroup_kernel(rng, n, m, rows, k, nout):
+    """Element-wise fp32 from 17 rows (from 9 where N/M > 1/4) runs on the 3xTF32 warpgroup
+    kernel (wgmma_tf32.cu) and keeps fp32's error bound: its 32-, 64- and 128-row activation
+    tiles, K split over a cluster, K not a multiple of its 32-position step, Nout not a multiple
+    of its 128-row weight tile."""
+    expected = "wgmma" if rows > 16 or 4 * n > m else "decode"
+    assert kernels.cuda_path(rows, n, m, k, nout, "float32") == expected
+    pattern = NMPattern(n, m)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, "float32")
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    for path in ("auto", "wgmma"):
+        [y] = run_cuda(x, packed, bias, 0.75, "float32", path)
+        assert error_ratio(y, ref, magnitude, "float32", k) < 1, path
+
+
 def poisoned(packed):
     """The packed weight with every stored value NaN: a call that reads it writes NaN."""
     return PackedWeight(np.full_like(packed.values, np.nan), packed.indices, packed.shape)

@@ -32,6 +32,13 @@
 //    shapes): the vector path kept 1:8 up to 32 rows (copy 0.59-0.87x of it) and lost it from 48
 //    (1.01-1.27x); for 2:8 and 1:4 the copy ran 0.86-1.19x of the vector path at 9-32 rows (below
 //    1 mostly on 4096x14336) and 1.37-1.70x from 48, so those take the copy from 9 rows.
+//  * fp32, element-wise: the 3xTF32 warpgroup kernel (wgmma_tf32.cu) from 17 rows, and from 9 rows
+//    where N/M > 1/4, for the families it compiles; else decode up to 16 rows and the tiled SIMT
+//    path above. Session 27 (scratch/tf32.py: decode, tiled and wgmma timed in one process at
+//    9-4096 rows on 4096x4096, 11008x4096 and 4096x14336, 2:4, 2:8, 1:8): against the tiled path it
+//    replaces, 5.3-8.6x at 17 rows; at 9, 12 and 16 rows it beat decode on all 9 points of 2:4
+//    (1.40-2.94x), for 2:8 only on 4096x14336 (1.79x at 9 rows; 0.86-0.92x on the other two
+//    shapes), and for 1:8 on neither shape measured (4096x4096, 11008x4096: 0.63-0.72x).
 //  * Weights whose columns share offsets in blocks of 32 (`vector`): the vector-wise tensor-core
 //    path (vector.cu) where it applies, from 9 rows for fp32, and for fp16/bf16 at 9..64 rows
 //    where N/M <= 1/4.
@@ -50,6 +57,7 @@
 //      rows decode was 1.1-2.0x faster, so 1..8 rows stay on decode here too.
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include "kernels.cuh"
 #include "nm_matmul_cuda.h"
 
@@ -112,7 +120,11 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
   if (path == CudaPath::mma) return run_mma<T>(p, stream);
   if (path == CudaPath::vector) return run_vector<T>(p, stream);
 #if defined(NMCLI_WITH_SM90A)
-  if (path == CudaPath::wgmma) return run_wgmma<T>(p, stream);
+  if constexpr (std::is_same_v<T, float>) {
+    if (path == CudaPath::wgmma) return run_wgmma_tf32(p, stream);
+  } else {
+    if (path == CudaPath::wgmma) return run_wgmma<T>(p, stream);
+  }
   if (path == CudaPath::wgmma_sp) return run_wgmma_sp<T>(p, stream);
 #endif
   return run_tiled<T>(p, stream);
@@ -172,11 +184,18 @@ bool use_pdl() {
 }
 
 // Both warpgroup paths: fp16/bf16, K % 8 == 0 (16-byte activation copies), compute capability
-// 9.0, and a family the path's kernels are compiled for.
+// 9.0, and a family the path's kernels are compiled for; the dense one also fp32 (3xTF32,
+// wgmma_tf32.cu) where that kernel runs.
 bool wgmma_supported(const CudaMatMul& call, bool sparse_tensor_cores) {
 #if defined(NMCLI_WITH_SM90A)
   const int n = call.shape.n, m = call.shape.m;
-  return call.dtype != DType::f32 && call.shape.k % 8 == 0 && activation_aligned(call) &&
+  if (call.dtype == DType::f32) {
+    if (sparse_tensor_cores || !activation_aligned(call)) return false;
+    PathParams<float> p = typed<float>(call);
+    if (forms_activation(call)) p.x = static_cast<const float*>(call.workspace);  // the kernel reads A from there
+    return wgmma_tf32_runs(p);
+  }
+  return call.shape.k % 8 == 0 && activation_aligned(call) &&
          (sparse_tensor_cores ? wgmma_sp_family(n, m) : wgmma_family(n, m)) && wgmma_device();
 #else
   (void)call;
@@ -230,6 +249,10 @@ CudaPath choose_path(const CudaMatMul& call) {
   // there) once the grid has kWgmmaSpMinBlocks blocks; their split-K keeps small grids busy.
   const NMShape sparse = sparse_tensor_core_view(call).shape;
   const bool two_of_four = sparse.n == 2 && sparse.m == 4;
+  // fp32 element-wise: the 3xTF32 warpgroup kernel from 17 rows, and from 9 where N/M > 1/4.
+  if (call.dtype == DType::f32 && (call.rows > kDecodeMaxRows || 4 * call.shape.n > call.shape.m) &&
+      path_supported(call, CudaPath::wgmma))
+    return CudaPath::wgmma;
   if ((call.rows > kDecodeMaxRows || two_of_four) && wgmma_blocks >= kWgmmaSpMinBlocks &&
       path_supported(call, CudaPath::wgmma_sp))
     return CudaPath::wgmma_sp;

@@ -104,10 +104,10 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
 // 16w..16w+15). PTX takes the accumulators as a brace list of registers, so the operand lists are
 // built from fixed chunks by the preprocessor.
 
-// The placeholders of the accumulator brace list, in chunks of 32 (string literals concatenate).
+// The placeholders of the accumulator brace list, in chunks of 16 and 32 (string literals concatenate).
+#define NMCLI_WGMMA_REGS_0_15 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define NMCLI_WGMMA_REGS_0_31 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+  NMCLI_WGMMA_REGS_0_15 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define NMCLI_WGMMA_REGS_32_63 \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
@@ -154,6 +154,27 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
 template <int kWidth, bool kBf16>
 __device__ __forceinline__ void wgmma(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc) {
   NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SS_M64N64K16, NMCLI_WGMMA_SS_M64N128K16, NMCLI_WGMMA_SS_M64N256K16)
+}
+
+// D[64 x N] += A[64 x 8] * B[8 x N] on TF32 (fp32 values in both tiles; the instruction reads
+// their upper 19 bits), both K-major tiles of 32 fp32 (128 B) per row in shared memory with the
+// 128-byte swizzle: each k8 MMA reads 32 bytes of each row, like a k16 one of 16-bit values.
+// TF32 MMAs take no transpose operands.
+#define NMCLI_WGMMA_TF32(SHAPE, REGS, DESCS, ...) \
+  asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32.tf32.tf32 {" REGS "}, " DESCS ", 1, 1, 1;" \
+               : __VA_ARGS__ : "l"(a_desc), "l"(b_desc))
+
+template <int kWidth>
+__device__ __forceinline__ void wgmma_tf32(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc) {
+  static_assert(kWidth == 32 || kWidth == 64 || kWidth == 128, "activation tile widths of the fp32 path");
+  if constexpr (kWidth == 32) {
+    NMCLI_WGMMA_TF32("m64n32k8", NMCLI_WGMMA_REGS_0_15, "%16, %17", NMCLI_WGMMA_ACC8(0), NMCLI_WGMMA_ACC8(8));
+  } else if constexpr (kWidth == 64) {
+    NMCLI_WGMMA_TF32("m64n64k8", NMCLI_WGMMA_REGS_0_31, "%32, %33", NMCLI_WGMMA_ACC32(0));
+  } else {
+    NMCLI_WGMMA_TF32("m64n128k8", NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "%64, %65", NMCLI_WGMMA_ACC32(0),
+                     NMCLI_WGMMA_ACC32(32));
+  }
 }
 
 // D[64 x N] += A[64 x 32] * B[32 x N] with A 2:4-sparse: the descriptor's tile holds A's 16 stored

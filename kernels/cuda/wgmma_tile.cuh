@@ -16,17 +16,20 @@ namespace nmcli {
 namespace sm90 {
 
 constexpr int kBK = 64;                      // K positions per step: one 128-byte swizzle row of B
+// ... of T in general (32 for fp32: wgmma_tf32.cu).
+template <typename T> constexpr int kStepOf = 128 / static_cast<int>(sizeof(T));
 constexpr int kWarpgroups = 2;
 constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kTileW = 64 * kWarpgroups;     // weight rows (output features) per block
 static_assert(kTileW == kWgmmaWeightTile, "the dispatch sizes the grid with kWgmmaWeightTile");
 
-// Copies a step's activation tile ([kRows x 64] K-major, 128-byte swizzle) to the start of its
-// stage. Every thread copies the same chunks of every step (fixed rows and columns of the tile),
+// Copies a step's activation tile ([kRows x kStepOf<T>] K-major, 128-byte swizzle) to the start of
+// its stage. Every thread copies the same chunks of every step (fixed rows and columns of the tile),
 // so the addresses, the swizzled destinations and the row checks are computed once; per step
 // only K moves. Rows past the end and K positions past K are zero-filled.
 template <typename T, int kRows>
 struct ActivationLoader {
+  static constexpr int kStep = kStepOf<T>;
   static constexpr int kChunks = kRows * 8 / kThreads;  // 16-byte chunks per thread
   static_assert(kRows * 8 % kThreads == 0, "whole activation chunks per thread");
 
@@ -38,7 +41,7 @@ struct ActivationLoader {
 
   __device__ __forceinline__ ActivationLoader(const PathParams<T>& p, int64_t r0) {
     const int tid = threadIdx.x, r = tid >> 3;
-    col = (tid & 7) * 8;
+    col = (tid & 7) * (kStep / 8);
     x = p.x + (r0 + r) * p.k + col;
     row_stride = 32 * p.k;
     dst = r * 128 + (((tid & 7) ^ (r & 7)) << 4);
@@ -48,11 +51,11 @@ struct ActivationLoader {
   }
 
   __device__ __forceinline__ void load(const PathParams<T>& p, uint32_t stage, int64_t t) const {
-    const bool k_ok = t * kBK + col < p.k;
+    const bool k_ok = t * kStep + col < p.k;
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
       const bool ok = k_ok && (rows_ok >> j & 1u);
-      cp_async16(stage + dst + j * 32 * 128, ok ? x + t * kBK + j * row_stride : p.x, ok);
+      cp_async16(stage + dst + j * 32 * 128, ok ? x + t * kStep + j * row_stride : p.x, ok);
     }
   }
 };
@@ -138,41 +141,58 @@ cudaError_t run_family(const PathParams<T>& p, WithFamily&& with_family, Launch&
 // than the 2-way splits of 64-row tiles before (BENCHMARKS.md, session 10); at 17 and 64 rows
 // 4-way splits of the one 64-row tile were 0.73-0.91x of 2-way with N = 4096 (session 11), and
 // 0.67-0.84x again with the TMA-fed 2:4 kernel (session 18).
-inline int k_splits(int64_t tiles, int64_t units) {
-  const int64_t split = std::min<int64_t>({2, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
+inline int k_splits(int64_t tiles, int64_t units, int64_t max_split = 2) {
+  const int64_t split = std::min<int64_t>({max_split, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
   return static_cast<int>(std::max<int64_t>(1, split));
 }
 
-// The sparse kernels' activation-tile width and K split: the (width, split) with the least
-// estimated time, waves x steps per block x the cost of a step of that width relative to a
-// 64-row step (1.5 for 256 rows, 1.2 for 128, roughly as measured per step in session 10; ties
-// go to the wider tile, which reads each weight tile fewer times). Against "the widest tile that
-// fills the GPU" (launch_widest): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x at 256 rows
-// with N >= 11008, 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
-// launch(std::integral_constant<int, kRows>, splits) starts the kernel.
-template <typename T, typename Launch>
-cudaError_t launch_split(const PathParams<T>& p, int64_t steps, Launch&& launch) {
+// An activation-tile width a kernel is compiled for, and the cost of one of its steps relative to
+// a 64-row step.
+struct TileCost {
+  int rows;
+  double cost;
+};
+
+// The sparse kernels' widths: 1.5 for 256 rows, 1.2 for 128, roughly as measured per step in
+// session 10.
+constexpr TileCost kSparseTiles[] = {{256, 1.5}, {128, 1.2}, {64, 1.0}};
+
+// The activation-tile width and K split of a call: the (width, split) with the least estimated
+// time, waves x steps per block x the step cost of that width (`tiles`, widest first; ties go to
+// the wider tile, which reads each weight tile fewer times, then to the smaller split). Splits up
+// to `max_split` where the tiles leave SMs idle (k_splits), or with `split_any_grid` for any grid
+// (a split also evens out a last wave that is mostly empty). For the sparse kernels, against "the
+// widest tile that fills the GPU" (launch_widest): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x
+// at 256 rows with N >= 11008, 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
+// launch(std::integral_constant<int, kRows>, splits) starts the kernel; kWidths lists the widths
+// it compiles, which `tiles` must not go beyond.
+template <int... kWidths, typename T, size_t kCount, typename Launch>
+cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], int64_t max_split,
+                         bool split_any_grid, Launch&& launch) {
   const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
-  int best_rows = 256, best_split = 1;
-  double best = 0.0;
-  for (const int rows : {256, 128, 64}) {
-    const int64_t tiles = weight_tiles * ((p.rows + rows - 1) / rows);
-    const int split = k_splits(tiles, steps / 4);
-    const double cost = rows == 256 ? 1.5 : rows == 128 ? 1.2 : 1.0;
-    const double time = static_cast<double>((tiles * split + sms - 1) / sms) * ((steps + split - 1) / split) * cost;
-    if (rows == 256 || time < best) best = time, best_rows = rows, best_split = split;
+  int best_rows = tiles[0].rows, best_split = 1;
+  double best = -1.0;
+  for (const TileCost& tile : tiles) {
+    const int64_t blocks = weight_tiles * ((p.rows + tile.rows - 1) / tile.rows);
+    const int most = split_any_grid ? static_cast<int>(std::max<int64_t>(1, std::min(max_split, steps / 8)))
+                                    : k_splits(blocks, steps / 4, max_split);
+    for (int split = split_any_grid ? 1 : most; split <= most; ++split) {
+      const double time =
+          static_cast<double>((blocks * split + sms - 1) / sms) * ((steps + split - 1) / split) * tile.cost;
+      if (best < 0 || time < best) best = time, best_rows = tile.rows, best_split = split;
+    }
   }
-  if (best_rows == 256) return launch(std::integral_constant<int, 256>{}, best_split);
-  if (best_rows == 128) return launch(std::integral_constant<int, 128>{}, best_split);
-  return launch(std::integral_constant<int, 64>{}, best_split);
+  cudaError_t e = cudaErrorInvalidValue;
+  (void)((best_rows == kWidths && (e = launch(std::integral_constant<int, kWidths>{}, best_split), true)) || ...);
+  return e;
 }
 
-// This block's steps [begin, end) over `positions` K positions (packed groups x M): steps of kBK
+// This block's steps [begin, end) over `positions` K positions (packed groups x M): steps of kStep
 // positions, rounded up to whole groups of kGroup steps (the extra steps copy zeros), all of them
 // unless a cluster of gridDim.z blocks splits them, in whole groups.
-template <int kGroup>
+template <int kGroup, int kStep = kBK>
 __device__ __forceinline__ void split_steps(int64_t positions, int& begin, int& end) {
-  const int64_t steps = ((positions + kBK - 1) / kBK + kGroup - 1) / kGroup * kGroup;
+  const int64_t steps = ((positions + kStep - 1) / kStep + kGroup - 1) / kGroup * kGroup;
   const int64_t groups = steps / kGroup, per = (groups + gridDim.z - 1) / gridDim.z;
   const int64_t first = min(static_cast<int64_t>(blockIdx.z) * per, groups) * kGroup;
   begin = static_cast<int>(first);
