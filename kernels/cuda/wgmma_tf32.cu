@@ -1,5 +1,8 @@
-// Warpgroup tensor-core path for fp32 (Hopper, sm_90a): element-wise N:M weights from 17 rows,
-// where the only other fp32 kernel for them is the SIMT tiled path (tiled.cu).
+// Warpgroup tensor-core path for fp32 (Hopper, sm_90a): element-wise N:M weights from 17 rows
+// (from 9 where N/M > 1/4; dispatch.cu), where the only other fp32 kernel for them was the SIMT
+// tiled path (tiled.cu). Measured (BENCHMARKS.md, session 27): 1.42-1.91x cuBLAS fp32 from 256
+// rows on the LLaMA shapes, 80-90 effective TFLOP/s at 4096 rows; 0.50-0.98x at 17-64 rows where
+// Nout = 4096 (few weight tiles; a step's shared-memory traffic bounds it there).
 //
 // The structure of wgmma.cu (Y^T = W^T X^T; two warpgroups of 64 weight rows each; the weight
 // expanded one step ahead into dense shared-memory tiles while the tensor cores work on the
