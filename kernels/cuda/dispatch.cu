@@ -189,12 +189,8 @@ bool use_pdl() {
 bool wgmma_supported(const CudaMatMul& call, bool sparse_tensor_cores) {
 #if defined(NMCLI_WITH_SM90A)
   const int n = call.shape.n, m = call.shape.m;
-  if (call.dtype == DType::f32) {
-    if (sparse_tensor_cores || !activation_aligned(call)) return false;
-    PathParams<float> p = typed<float>(call);
-    if (forms_activation(call)) p.x = static_cast<const float*>(call.workspace);  // the kernel reads A from there
-    return wgmma_tf32_runs(p);
-  }
+  if (call.dtype == DType::f32)
+    return !sparse_tensor_cores && activation_aligned(call) && wgmma_tf32_runs(n, m, call.shape.k, call.values);
   return call.shape.k % 8 == 0 && activation_aligned(call) &&
          (sparse_tensor_cores ? wgmma_sp_family(n, m) : wgmma_family(n, m)) && wgmma_device();
 #else

@@ -63,10 +63,11 @@ template <typename T> cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream
 bool wgmma_family(int n, int m);  // N:M families the wgmma kernels are compiled for
 bool wgmma_device();              // the current device runs sm_90a code (compute capability 9.0)
 // Its fp32 twin (wgmma_tf32.cu, 3xTF32) for the families wgmma_tf32_family lists; runs where
-// wgmma_tf32_runs (K % 4 == 0, X and the values 16-byte aligned, sm_90a).
+// wgmma_tf32_runs (a family it compiles, K % 4 == 0, the values 16-byte aligned, sm_90a) and X
+// is 16-byte aligned.
 cudaError_t run_wgmma_tf32(PathParams<float> p, cudaStream_t stream);
 bool wgmma_tf32_family(int n, int m);
-bool wgmma_tf32_runs(const PathParams<float>& p);
+bool wgmma_tf32_runs(int n, int m, int64_t k, const void* values);
 // Sparse warpgroup (wgmma.mma_async.sp) path for 2:4, sm_90a only, built with run_wgmma.
 template <typename T> cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream);
 bool wgmma_sp_family(int n, int m);

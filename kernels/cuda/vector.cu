@@ -28,10 +28,7 @@
 // (session 22). The 16-bit kernels are latency-bound per stage (one 8-warp block per SM, issue
 // slots 13-29% busy, DRAM under 10%; session 23), so the dispatch uses them at 9-64 rows only.
 //
-// fp32 accuracy from TF32 units (the 3xTF32 split): v = big + small with big = v rounded to TF32
-// and small = v - big (exact), which the MMA truncates to TF32; a*b ~= a_small*b_big +
-// a_big*b_small + a_big*b_big, accumulated in fp32, small terms first. The dropped small*small
-// term is below 2^-22 of the product and small's truncation below 2^-21.
+// fp32 accuracy from TF32 units: the 3xTF32 split of tf32.cuh.
 #include <algorithm>
 #include <type_traits>
 
@@ -39,6 +36,7 @@
 #include "common.cuh"
 #include "kernels.cuh"
 #include "split_k.cuh"
+#include "tf32.cuh"
 
 namespace nmcli {
 namespace {
@@ -78,17 +76,6 @@ struct VectorTile {
   static_assert(kStages >= 2, "a ring needs two stages");
   static_assert(kEntries % (sizeof(T) == 4 ? 8 : 16) == 0 && kEntries <= 32, "whole MMA k-steps, one entry per lane");
 };
-
-// v rounded to TF32 (nearest, ties away), by integer arithmetic: cvt.rna.tf32.f32 costs four
-// instructions on sm_90, this two. Infinities stay; a NaN still yields NaN through `small`.
-__device__ __forceinline__ uint32_t round_tf32(float v) { return (__float_as_uint(v) + 0x1000u) & 0xffffe000u; }
-
-// The MMA reads `small` truncated to TF32 (it ignores the low 13 bits): measured as accurate as
-// rounding it here (error ratio <= 0.15 of the fp32 bound either way), for one instruction less.
-__device__ __forceinline__ void split_tf32(float v, uint32_t& big, uint32_t& small) {
-  big = round_tf32(v);
-  small = __float_as_uint(v - __uint_as_float(big));
-}
 
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"

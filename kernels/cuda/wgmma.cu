@@ -62,7 +62,7 @@ template <typename T, int kN, int kM, int kRows>
 struct StepLoader {
   using L = Layout<kN, kM, kRows>;
   sm90::ActivationLoader<T, kRows> x;
-  sm90::PackedLoader<T, kN, kM> w;
+  sm90::PackedLoader<T, sm90::Family<kN, kM>> w;
 
   __device__ __forceinline__ StepLoader(const PathParams<T>& p, int64_t w0, int64_t r0) : x(p, r0), w(p, w0) {}
 

@@ -14,7 +14,8 @@ struct Family {
   static constexpr int kBits = index_bits(kM);
   static constexpr int kEntries = kBK / kM * kN;              // stored entries per weight row per step
   static constexpr int kValueBytes = kEntries * 2;             // >= 16 because M <= 8N
-  static constexpr int kValueChunks = kValueBytes / 16;
+  static constexpr int kChunk = 16;                            // bytes per value copy
+  static constexpr int kValueChunks = kValueBytes / kChunk;
   static constexpr int kOffsetWords = (kEntries * kBits + 31) / 32;  // a step's offset bits
   static constexpr int kIndexWords = kOffsetWords + 1;               // ... copied from any start bit
   static constexpr int kGroupBits = kN * kBits;                      // offset bits of one group
@@ -31,10 +32,14 @@ struct Family {
 // r * kValueBytes, its offset words (from the word holding the step's first offset bit) at
 // kValues + r * kIndexWords * 4. Every thread copies the same chunks of every step, so the
 // addresses are computed once; per step only K moves. Rows past the end and steps past the
-// stored entries are zero-filled.
-template <typename T, int kN, int kM>
+// stored entries are zero-filled. F is the step's geometry (Family here, or the fp32 path's):
+// kEntries, kBits, kValueBytes, kChunk (bytes per value copy: 16, 8 or 4), kValueChunks,
+// kIndexWords, kValues.
+template <typename T, typename F>
 struct PackedLoader {
-  using F = Family<kN, kM>;
+  // A step's entries divide or fill the rows' 32-entry multiples, so a step that starts inside a
+  // row ends inside it.
+  static_assert(32 % F::kEntries == 0 || F::kEntries % 32 == 0, "steps never straddle a row's end");
   static constexpr int kV = (kTileW * F::kValueChunks + kThreads - 1) / kThreads;   // 16-byte chunks
   static constexpr int kI = (kTileW * F::kIndexWords + kThreads - 1) / kThreads;    // 4-byte words
 
@@ -52,8 +57,8 @@ struct PackedLoader {
     for (int j = 0; j < kV; ++j) {
       const int i = tid + j * kThreads, row = i / F::kValueChunks, c = i % F::kValueChunks;
       v_ok[j] = i < kTileW * F::kValueChunks && w0 + row < p.nout;
-      v[j] = p.values + (v_ok[j] ? (w0 + row) * p.row_len + c * 8 : 0);
-      v_dst[j] = row * F::kValueBytes + c * 16;
+      v[j] = p.values + (v_ok[j] ? (w0 + row) * p.row_len + c * (F::kChunk / static_cast<int>(sizeof(T))) : 0);
+      v_dst[j] = row * F::kValueBytes + c * F::kChunk;
     }
 #pragma unroll
     for (int j = 0; j < kI; ++j) {
@@ -72,7 +77,10 @@ struct PackedLoader {
     for (int j = 0; j < kV; ++j) {
       if (kTileW * F::kValueChunks % kThreads != 0 && threadIdx.x + j * kThreads >= kTileW * F::kValueChunks) break;
       const bool ok = v_ok[j] && in_row;
-      cp_async16(dst + v_dst[j], ok ? v[j] + j0 : p.values, ok);
+      const T* src = ok ? v[j] + j0 : p.values;
+      if constexpr (F::kChunk == 16) cp_async16(dst + v_dst[j], src, ok);
+      else if constexpr (F::kChunk == 8) cp_async8(dst + v_dst[j], src, ok);
+      else cp_async4(dst + v_dst[j], src, ok);
     }
     const int64_t word0 = (j0 * F::kBits) >> 5;
 #pragma unroll

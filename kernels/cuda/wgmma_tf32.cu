@@ -7,9 +7,8 @@
 // The structure of wgmma.cu (Y^T = W^T X^T; two warpgroups of 64 weight rows each; the weight
 // expanded one step ahead into dense shared-memory tiles while the tensor cores work on the
 // current step; activations by cp.async into a ring of stages), on TF32 MMAs with fp32 accuracy
-// by the 3xTF32 split (as vector.cu does with mma.sync): every operand v = big + small with big =
-// v rounded to TF32 and small = v - big (exact), and W x ~= W_small X_big + W_big X_small +
-// W_big X_big in fp32 accumulators; the dropped small*small term is below 2^-22 of the product.
+// by the 3xTF32 split of tf32.cuh (as vector.cu does with mma.sync): W x ~= W_small X_big +
+// W_big X_small + W_big X_big in fp32 accumulators.
 // A step is 32 K positions, one 128-byte swizzle row of fp32, so k8 TF32 MMAs address a tile as
 // k16 16-bit ones do.
 //  * The weight: each thread owns 16 positions of one row of the block's tile (row tid / 2, half
@@ -22,7 +21,8 @@
 // (sm90::launch_split, reduce_split).
 #include <algorithm>
 
-#include "wgmma_tile.cuh"
+#include "tf32.cuh"
+#include "wgmma_packed.cuh"
 
 namespace nmcli {
 namespace {
@@ -63,70 +63,6 @@ struct Tf32Layout {
   static_assert(kStages >= 4, "the ring runs kStages - 2 steps ahead, at least 2");
   static_assert(kThreads * kRows / 2 * 4 <= kOperandsOffset + 2 * kOperands, "reduce_split's scratch fits");
 };
-
-// Copies a step's packed weight tile: row r's values at r * kValueBytes, its offset words (from
-// the word holding the step's first offset bit) at kValues + r * kIndexWords * 4; zeros past the
-// stored row and past Nout. Each thread copies the same pieces every step.
-template <int kN, int kM>
-struct Tf32WeightLoader {
-  using F = Tf32Family<kN, kM>;
-  static constexpr int kV = (kTileW * F::kValueChunks + kThreads - 1) / kThreads;
-  static constexpr int kI = (kTileW * F::kIndexWords + kThreads - 1) / kThreads;
-  const float* v[kV];
-  uint32_t v_dst[kV];
-  bool v_ok[kV];
-  const uint32_t* w[kI];
-  uint32_t w_dst[kI];
-  int w_col[kI];
-  bool w_ok[kI];
-
-  __device__ __forceinline__ Tf32WeightLoader(const PathParams<float>& p, int64_t w0) {
-#pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      const int i = threadIdx.x + j * kThreads, row = i / F::kValueChunks, c = i % F::kValueChunks;
-      v_ok[j] = i < kTileW * F::kValueChunks && w0 + row < p.nout;
-      v[j] = p.values + (v_ok[j] ? (w0 + row) * p.row_len + c * (F::kChunk / 4) : 0);
-      v_dst[j] = row * F::kValueBytes + c * F::kChunk;
-    }
-#pragma unroll
-    for (int j = 0; j < kI; ++j) {
-      const int i = threadIdx.x + j * kThreads, row = i / F::kIndexWords, c = i % F::kIndexWords;
-      w_ok[j] = i < kTileW * F::kIndexWords && w0 + row < p.nout;
-      w[j] = p.indices + (w_ok[j] ? (w0 + row) * p.index_words : 0);
-      w_col[j] = c;
-      w_dst[j] = static_cast<uint32_t>(F::kValues) + (row * F::kIndexWords + c) * 4;
-    }
-  }
-
-  __device__ __forceinline__ void load(const PathParams<float>& p, uint32_t dst, int64_t t) const {
-    const int64_t j0 = t * F::kEntries;
-#pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      if (kTileW * F::kValueChunks % kThreads != 0 && threadIdx.x + j * kThreads >= kTileW * F::kValueChunks) break;
-      // Rows hold a multiple of 32 entries, so a chunk that starts inside the row ends inside it.
-      const int64_t entry = j0 + (v_dst[j] % F::kValueBytes) / 4;
-      const bool ok = v_ok[j] && entry < p.row_len;
-      const void* src = ok ? static_cast<const void*>(v[j] + j0) : static_cast<const void*>(p.values);
-      if constexpr (F::kChunk == 16) sm90::cp_async16(dst + v_dst[j], src, ok);
-      else if constexpr (F::kChunk == 8) sm90::cp_async8(dst + v_dst[j], src, ok);
-      else sm90::cp_async4(dst + v_dst[j], src, ok);
-    }
-    const int64_t word0 = (j0 * F::kBits) >> 5;
-#pragma unroll
-    for (int j = 0; j < kI; ++j) {
-      if (kTileW * F::kIndexWords % kThreads != 0 && threadIdx.x + j * kThreads >= kTileW * F::kIndexWords) break;
-      const int64_t word = word0 + w_col[j];
-      const bool ok = w_ok[j] && word < p.index_words;
-      sm90::cp_async4(dst + w_dst[j], ok ? w[j] + word : p.indices, ok);
-    }
-  }
-};
-
-// v rounded to TF32 (nearest, ties away) by integer arithmetic, and the exact rest.
-__device__ __forceinline__ void split_tf32(float v, float& big, float& small) {
-  big = __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
-  small = v - big;
-}
 
 // Byte offset of position `pos` (0..31) of row `r` in a [rows x 32] fp32 tile with the 128-byte
 // swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)).
@@ -211,14 +147,14 @@ __device__ __forceinline__ void expand_weight(const uint8_t* packed, int64_t t, 
   }
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    float4 big, small;
+    uint4 big, small;
     split_tf32(d[4 * c], big.x, small.x);
     split_tf32(d[4 * c + 1], big.y, small.y);
     split_tf32(d[4 * c + 2], big.z, small.z);
     split_tf32(d[4 * c + 3], big.w, small.w);
     const uint32_t at = swizzled(r, 16 * h + 4 * c);
-    *reinterpret_cast<float4*>(w_big + at) = big;
-    *reinterpret_cast<float4*>(w_small + at) = small;
+    *reinterpret_cast<uint4*>(w_big + at) = big;
+    *reinterpret_cast<uint4*>(w_small + at) = small;
   }
 }
 
@@ -231,15 +167,15 @@ __device__ __forceinline__ void split_activations(uint8_t* x, uint8_t* x_small) 
   const uint32_t dst = r * 128 + (((threadIdx.x & 7) ^ (r & 7)) << 4);
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
-    float4* big = reinterpret_cast<float4*>(x + dst + j * 32 * 128);
-    const float4 v = *big;
-    float4 b, s;
+    uint4* big = reinterpret_cast<uint4*>(x + dst + j * 32 * 128);
+    const float4 v = *reinterpret_cast<const float4*>(big);
+    uint4 b, s;
     split_tf32(v.x, b.x, s.x);
     split_tf32(v.y, b.y, s.y);
     split_tf32(v.z, b.z, s.z);
     split_tf32(v.w, b.w, s.w);
     *big = b;
-    *reinterpret_cast<float4*>(x_small + dst + j * 32 * 128) = s;
+    *reinterpret_cast<uint4*>(x_small + dst + j * 32 * 128) = s;
   }
 }
 
@@ -258,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_tf32_kernel(PathParams<floa
   auto stage = [&](int i) { return smem + (i % S) * L::kStage; };  // step begin + i
   auto operands = [&](int i) { return smem + L::kOperandsOffset + (i & 1) * L::kOperands; };
   const sm90::ActivationLoader<float, kRows> x_loader(p, r0);
-  const Tf32WeightLoader<kN, kM> w_loader(p, w0);
+  const sm90::PackedLoader<float, Tf32Family<kN, kM>> w_loader(p, w0);
   auto load = [&](int i) {
     const uint32_t base = sm90::smem_addr(stage(i));
     x_loader.load(p, base, begin + i);
@@ -340,19 +276,19 @@ bool wgmma_tf32_family(int n, int m) {
   return with_tf32_family(n, m, [](auto kN, auto) { return kN() != 0; });
 }
 
-bool wgmma_tf32_runs(const PathParams<float>& p) {
-  return wgmma_tf32_family(p.n, p.m) && p.k % 4 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(p.values) % 16 == 0 && wgmma_device();
+bool wgmma_tf32_runs(int n, int m, int64_t k, const void* values) {
+  return wgmma_tf32_family(n, m) && k % 4 == 0 && reinterpret_cast<uintptr_t>(values) % 16 == 0 && wgmma_device();
 }
 
 cudaError_t run_wgmma_tf32(PathParams<float> p, cudaStream_t stream) {
-  if (!wgmma_tf32_runs(p)) return cudaErrorInvalidValue;
+  if (!wgmma_tf32_runs(p.n, p.m, p.k, p.values) || reinterpret_cast<uintptr_t>(p.x) % 16 != 0)
+    return cudaErrorInvalidValue;
   return with_tf32_family(p.n, p.m, [&](auto kN, auto kM) -> cudaError_t {
     if constexpr (kN() == 0) {
       return cudaErrorInvalidValue;
     } else {
       const int64_t steps = (p.groups * kM() + kStep - 1) / kStep;
-      return sm90::launch_split<128, 64, 32>(p, steps, kTf32Tiles, 2, true, [&](auto rows, int splits) {
+      return sm90::launch_split<128, 64, 32>(p, steps, kTf32Tiles, true, [&](auto rows, int splits) {
         using L = Tf32Layout<kN(), kM(), rows()>;
         return sm90::launch_tiles<wgmma_tf32_kernel<kN(), kM(), rows()>, rows(), L::kBytes>(p, stream, splits, false);
       });

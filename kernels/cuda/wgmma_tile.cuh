@@ -141,8 +141,8 @@ cudaError_t run_family(const PathParams<T>& p, WithFamily&& with_family, Launch&
 // than the 2-way splits of 64-row tiles before (BENCHMARKS.md, session 10); at 17 and 64 rows
 // 4-way splits of the one 64-row tile were 0.73-0.91x of 2-way with N = 4096 (session 11), and
 // 0.67-0.84x again with the TMA-fed 2:4 kernel (session 18).
-inline int k_splits(int64_t tiles, int64_t units, int64_t max_split = 2) {
-  const int64_t split = std::min<int64_t>({max_split, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
+inline int k_splits(int64_t tiles, int64_t units) {
+  const int64_t split = std::min<int64_t>({2, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
   return static_cast<int>(std::max<int64_t>(1, split));
 }
 
@@ -159,23 +159,22 @@ constexpr TileCost kSparseTiles[] = {{256, 1.5}, {128, 1.2}, {64, 1.0}};
 
 // The activation-tile width and K split of a call: the (width, split) with the least estimated
 // time, waves x steps per block x the step cost of that width (`tiles`, widest first; ties go to
-// the wider tile, which reads each weight tile fewer times, then to the smaller split). Splits up
-// to `max_split` where the tiles leave SMs idle (k_splits), or with `split_any_grid` for any grid
-// (a split also evens out a last wave that is mostly empty). For the sparse kernels, against "the
+// the wider tile, which reads each weight tile fewer times, then to the smaller split). 2-way splits
+// where the tiles leave SMs idle (k_splits), or with `split_any_grid` for any grid of at least 16
+// steps (a split also evens out a last wave that is mostly empty). For the sparse kernels, against "the
 // widest tile that fills the GPU" (launch_widest): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x
 // at 256 rows with N >= 11008, 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
 // launch(std::integral_constant<int, kRows>, splits) starts the kernel; kWidths lists the widths
 // it compiles, which `tiles` must not go beyond.
 template <int... kWidths, typename T, size_t kCount, typename Launch>
-cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], int64_t max_split,
-                         bool split_any_grid, Launch&& launch) {
+cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], bool split_any_grid,
+                         Launch&& launch) {
   const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
   int best_rows = tiles[0].rows, best_split = 1;
   double best = -1.0;
   for (const TileCost& tile : tiles) {
     const int64_t blocks = weight_tiles * ((p.rows + tile.rows - 1) / tile.rows);
-    const int most = split_any_grid ? static_cast<int>(std::max<int64_t>(1, std::min(max_split, steps / 8)))
-                                    : k_splits(blocks, steps / 4, max_split);
+    const int most = split_any_grid ? (steps >= 16 ? 2 : 1) : k_splits(blocks, steps / 4);
     for (int split = split_any_grid ? 1 : most; split <= most; ++split) {
       const double time =
           static_cast<double>((blocks * split + sms - 1) / sms) * ((steps + split - 1) / split) * tile.cost;
