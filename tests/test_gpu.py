@@ -89,12 +89,11 @@ TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 1
 @pytest.mark.parametrize("rows,k,nout", [(9, 4100, 300), (17, 4100, 300), (40, 1028, 2000), (64, 2052, 129),
                                          (129, 516, 1000), (300, 4096, 4100), (1100, 132, 700)])
 def test_fp32_element_wise_calls_take_the_tf32_warpgroup_kernel(rng, n, m, rows, k, nout):
-    """Element-wise fp32 from 17 rows (from 9 where N/M > 1/4) runs on the 3xTF32 warpgroup
-    kernel (wgmma_tf32.cu) and keeps fp32's error bound: its 32-, 64- and 128-row activation
-    tiles, K split over a cluster, K not a multiple of its 32-position step, Nout not a multiple
-    of its 128-row weight tile."""
-    expected = "wgmma" if rows > 16 or 4 * n > m else "decode"
-    assert kernels.cuda_path(rows, n, m, k, nout, "float32") == expected
+    """Element-wise fp32 from 9 rows runs on the 3xTF32 warpgroup kernel (wgmma_tf32.cu) and
+    keeps fp32's error bound: its 32-, 64- and 128-row activation tiles, K split over a cluster
+    (2 and 3 ways), K not a multiple of its 32-position step, Nout not a multiple of its 128-row
+    weight tile."""
+    assert kernels.cuda_path(rows, n, m, k, nout, "float32") == "wgmma"
     pattern = NMPattern(n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, "float32")
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)

@@ -153,7 +153,7 @@ def test_library_reports_cuda_when_built_with_nvcc():
     # fp16/bf16 with M in {2, 4, 8, 16} and (on sm_90) for most fp32 families, the SIMT tiled
     # path for everything else.
     assert _kernels.cuda_path(1, 2, 8, 4096, 4096, "float16") == "decode"
-    assert _kernels.cuda_path(16, 2, 8, 4096, 4096, "float32") == "decode"
+    assert _kernels.cuda_path(8, 2, 8, 4096, 4096, "float32") == "decode"
     assert _kernels.cuda_path(8, 2, 4, 11008, 4096, "float16") == "decode"
     sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
     sp = "wgmma_sp" if sm90 else "mma"
@@ -177,11 +177,14 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(127, 4, 8, 4096, 4096, "float16") == "mma"
     assert _kernels.cuda_path(256, 4, 16, 1024, 1024, "float16") == "mma"  # 32 wgmma blocks: too few
     assert _kernels.cuda_path(4096, 2, 8, 4100, 4096, "float16") == "mma"  # K % 8 != 0: no 16-byte copies
-    # fp32 element-wise: the 3xTF32 warpgroup kernel from 17 rows, from 9 where N/M > 1/4, for
-    # M a power of two up to 32 and N/M <= 1/2, K % 4 == 0.
+    # fp32 element-wise: the 3xTF32 warpgroup kernel from 9 rows, for M a power of two up to 32
+    # and N/M <= 1/2, K % 4 == 0.
     assert _kernels.cuda_path_supported("wgmma", 4096, 2, 8, "float32", 4096) == sm90
     assert _kernels.cuda_path(17, 8, 32, 4096, 4096, "float32") == ("wgmma" if sm90 else "tiled")
     assert _kernels.cuda_path(9, 2, 4, 4096, 4096, "float32") == ("wgmma" if sm90 else "decode")
+    assert _kernels.cuda_path(9, 1, 8, 4096, 4096, "float32") == ("wgmma" if sm90 else "decode")
+    assert _kernels.cuda_path(16, 4, 32, 14336, 4096, "float32") == ("wgmma" if sm90 else "decode")
+    assert _kernels.cuda_path(16, 3, 7, 4096, 4096, "float32") == "decode"
     assert _kernels.cuda_path(17, 2, 8, 4098, 4096, "float32") == "tiled"  # K % 4 != 0
     assert _kernels.cuda_path(17, 3, 7, 4096, 4096, "float32") == "tiled"
     assert _kernels.cuda_path(17, 3, 4, 4096, 4096, "float32") == "tiled"  # N/M > 1/2

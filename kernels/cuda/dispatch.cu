@@ -32,13 +32,14 @@
 //    shapes): the vector path kept 1:8 up to 32 rows (copy 0.59-0.87x of it) and lost it from 48
 //    (1.01-1.27x); for 2:8 and 1:4 the copy ran 0.86-1.19x of the vector path at 9-32 rows (below
 //    1 mostly on 4096x14336) and 1.37-1.70x from 48, so those take the copy from 9 rows.
-//  * fp32, element-wise: the 3xTF32 warpgroup kernel (wgmma_tf32.cu) from 17 rows, and from 9 rows
-//    where N/M > 1/4, for the families it compiles; else decode up to 16 rows and the tiled SIMT
-//    path above. Session 27 (scratch/tf32.py: decode, tiled and wgmma timed in one process at
-//    9-4096 rows on 4096x4096, 11008x4096 and 4096x14336, 2:4, 2:8, 1:8): against the tiled path it
-//    replaces, 5.3-8.6x at 17 rows; at 9, 12 and 16 rows it beat decode on all 9 points of 2:4
-//    (1.40-2.94x), for 2:8 only on 4096x14336 (1.79x at 9 rows; 0.86-0.92x on the other two
-//    shapes), and for 1:8 on neither shape measured (4096x4096, 11008x4096: 0.63-0.72x).
+//  * fp32, element-wise: the 3xTF32 warpgroup kernel (wgmma_tf32.cu) from 9 rows, for the families
+//    it compiles; else decode up to 16 rows and the tiled SIMT path above. Session 27
+//    (scratch/tf32.py: decode, tiled and wgmma timed in one process at 9-4096 rows on 4096x4096,
+//    11008x4096 and 4096x14336, 2:4, 2:8, 1:8): against the tiled path it replaces, 5.3-8.6x at 17
+//    rows. Session 28, with the weight fed from registers (scratch/tf32.py paths: decode and wgmma
+//    at 9, 12 and 16 rows on the five LLaMA shapes, 2:4, 2:8, 1:4, 1:8, 2:16 and 4:32): wgmma
+//    1.56-2.51x decode for 2:8, 1.04-1.75x for 1:8, 1.69-2.69x for 1:4, 1.13-1.78x for 2:16,
+//    2.50-3.87x for 2:4, and 0.99-1.53x for 4:32 (below 1 at 2 of 15 points, by 1%).
 //  * Weights whose columns share offsets in blocks of 32 (`vector`): the vector-wise tensor-core
 //    path (vector.cu) where it applies, from 9 rows for fp32, and for fp16/bf16 at 9..64 rows
 //    where N/M <= 1/4.
@@ -245,10 +246,8 @@ CudaPath choose_path(const CudaMatMul& call) {
   // there) once the grid has kWgmmaSpMinBlocks blocks; their split-K keeps small grids busy.
   const NMShape sparse = sparse_tensor_core_view(call).shape;
   const bool two_of_four = sparse.n == 2 && sparse.m == 4;
-  // fp32 element-wise: the 3xTF32 warpgroup kernel from 17 rows, and from 9 where N/M > 1/4.
-  if (call.dtype == DType::f32 && (call.rows > kDecodeMaxRows || 4 * call.shape.n > call.shape.m) &&
-      path_supported(call, CudaPath::wgmma))
-    return CudaPath::wgmma;
+  // fp32 element-wise: the 3xTF32 warpgroup kernel from 9 rows.
+  if (call.dtype == DType::f32 && path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
   if ((call.rows > kDecodeMaxRows || two_of_four) && wgmma_blocks >= kWgmmaSpMinBlocks &&
       path_supported(call, CudaPath::wgmma_sp))
     return CudaPath::wgmma_sp;

@@ -22,7 +22,10 @@
 // the largest part of the instruction stream (199M -> 140M warp instructions at 4096^3 2:8).
 // A from shared memory, not registers: wgmma reads register operands asynchronously, and
 // rebuilding them while the previous step's MMAs ran gave wrong results (ptxas does not keep
-// them alive), while keeping them alive made ptxas serialize the MMAs.
+// them alive), while keeping them alive made ptxas serialize the MMAs. The fp32 kernel
+// (wgmma_tf32.cu) has since fed A from registers without either: two fixed register sets, one
+// built while the MMAs read the other, their writes pinned before the fence (session 28); this
+// kernel has not been moved to it.
 // Used for N in {1, 2, 4, 8}, M in {4, 8, 16}, M <= 8N (a step holds whole 16-byte runs of
 // values), K % 8 == 0 (16-byte activation copies). Other calls take the mma path.
 #include <algorithm>

@@ -156,24 +156,27 @@ __device__ __forceinline__ void wgmma(float (&d)[kWidth / 2], uint64_t a_desc, u
   NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SS_M64N64K16, NMCLI_WGMMA_SS_M64N128K16, NMCLI_WGMMA_SS_M64N256K16)
 }
 
-// D[64 x N] += A[64 x 8] * B[8 x N] on TF32 (fp32 values in both tiles; the instruction reads
-// their upper 19 bits), both K-major tiles of 32 fp32 (128 B) per row in shared memory with the
-// 128-byte swizzle: each k8 MMA reads 32 bytes of each row, like a k16 one of 16-bit values.
-// TF32 MMAs take no transpose operands.
-#define NMCLI_WGMMA_TF32(SHAPE, REGS, DESCS, ...) \
-  asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32.tf32.tf32 {" REGS "}, " DESCS ", 1, 1, 1;" \
-               : __VA_ARGS__ : "l"(a_desc), "l"(b_desc))
+// D[64 x N] += A[64 x 8] * B[8 x N] on TF32 (fp32 values; the instruction reads their upper 19
+// bits). B: a K-major tile of 32 fp32 (128 B) per row in shared memory with the 128-byte swizzle
+// (each k8 MMA reads 32 bytes of each row, like a k16 one of 16-bit values). A: registers, per
+// warp the mma.m16n8k8 TF32 A fragment of its 16 rows (a[0] row g, a[1] row g + 8, a[2] and a[3]
+// the same rows 4 columns on; g = lane / 4, column lane % 4). The MMA reads them asynchronously:
+// they must stay unchanged until wgmma_wait retires it. TF32 MMAs take no transpose operands.
+#define NMCLI_WGMMA_TF32_RS(SHAPE, REGS, OPERANDS, ...) \
+  asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32.tf32.tf32 {" REGS "}, " OPERANDS ", 1, 1, 1;" \
+               : __VA_ARGS__ : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc))
 
 template <int kWidth>
-__device__ __forceinline__ void wgmma_tf32(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc) {
+__device__ __forceinline__ void wgmma_tf32_rs(float (&d)[kWidth / 2], const uint32_t (&a)[4], uint64_t b_desc) {
   static_assert(kWidth == 32 || kWidth == 64 || kWidth == 128, "activation tile widths of the fp32 path");
   if constexpr (kWidth == 32) {
-    NMCLI_WGMMA_TF32("m64n32k8", NMCLI_WGMMA_REGS_0_15, "%16, %17", NMCLI_WGMMA_ACC8(0), NMCLI_WGMMA_ACC8(8));
+    NMCLI_WGMMA_TF32_RS("m64n32k8", NMCLI_WGMMA_REGS_0_15, "{%16, %17, %18, %19}, %20", NMCLI_WGMMA_ACC8(0),
+                        NMCLI_WGMMA_ACC8(8));
   } else if constexpr (kWidth == 64) {
-    NMCLI_WGMMA_TF32("m64n64k8", NMCLI_WGMMA_REGS_0_31, "%32, %33", NMCLI_WGMMA_ACC32(0));
+    NMCLI_WGMMA_TF32_RS("m64n64k8", NMCLI_WGMMA_REGS_0_31, "{%32, %33, %34, %35}, %36", NMCLI_WGMMA_ACC32(0));
   } else {
-    NMCLI_WGMMA_TF32("m64n128k8", NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "%64, %65", NMCLI_WGMMA_ACC32(0),
-                     NMCLI_WGMMA_ACC32(32));
+    NMCLI_WGMMA_TF32_RS("m64n128k8", NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "{%64, %65, %66, %67}, %68",
+                        NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32));
   }
 }
 

@@ -157,27 +157,36 @@ struct TileCost {
 // session 10.
 constexpr TileCost kSparseTiles[] = {{256, 1.5}, {128, 1.2}, {64, 1.0}};
 
+// Which K splits launch_split weighs. `any_grid` 0: a 2-way split where the tiles leave SMs idle
+// (k_splits). Else every split up to any_grid for any grid, each block keeping at least 8 steps (a
+// split also evens out a last wave that is mostly empty), each extra block of a split costing
+// `extra_steps` steps (the reduction through distributed shared memory, the cluster's barriers).
+struct SplitRule {
+  int any_grid = 0;
+  double extra_steps = 0.0;
+};
+
 // The activation-tile width and K split of a call: the (width, split) with the least estimated
-// time, waves x steps per block x the step cost of that width (`tiles`, widest first; ties go to
-// the wider tile, which reads each weight tile fewer times, then to the smaller split). 2-way splits
-// where the tiles leave SMs idle (k_splits), or with `split_any_grid` for any grid of at least 16
-// steps (a split also evens out a last wave that is mostly empty). For the sparse kernels, against "the
-// widest tile that fills the GPU" (launch_widest): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x
-// at 256 rows with N >= 11008, 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
+// time, waves x (steps per block + the split's cost) x the step cost of that width (`tiles`,
+// widest first; ties go to the wider tile, which reads each weight tile fewer times, then to the
+// smaller split). For the sparse kernels (SplitRule{}), against "the widest tile that fills the
+// GPU" (launch_widest): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x at 256 rows with N >= 11008,
+// 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
 // launch(std::integral_constant<int, kRows>, splits) starts the kernel; kWidths lists the widths
 // it compiles, which `tiles` must not go beyond.
 template <int... kWidths, typename T, size_t kCount, typename Launch>
-cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], bool split_any_grid,
+cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], SplitRule rule,
                          Launch&& launch) {
   const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
   int best_rows = tiles[0].rows, best_split = 1;
   double best = -1.0;
   for (const TileCost& tile : tiles) {
     const int64_t blocks = weight_tiles * ((p.rows + tile.rows - 1) / tile.rows);
-    const int most = split_any_grid ? (steps >= 16 ? 2 : 1) : k_splits(blocks, steps / 4);
-    for (int split = split_any_grid ? 1 : most; split <= most; ++split) {
-      const double time =
-          static_cast<double>((blocks * split + sms - 1) / sms) * ((steps + split - 1) / split) * tile.cost;
+    const int most = rule.any_grid ? static_cast<int>(std::clamp<int64_t>(steps / 8, 1, rule.any_grid))
+                                   : k_splits(blocks, steps / 4);
+    for (int split = rule.any_grid ? 1 : most; split <= most; ++split) {
+      const double per_block = static_cast<double>((steps + split - 1) / split) + rule.extra_steps * (split - 1);
+      const double time = static_cast<double>((blocks * split + sms - 1) / sms) * per_block * tile.cost;
       if (best < 0 || time < best) best = time, best_rows = tile.rows, best_split = split;
     }
   }
