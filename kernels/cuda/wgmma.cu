@@ -1,31 +1,31 @@
-// Warpgroup tensor-core path (Hopper, sm_90a) for fp16/bf16: prompt processing and large batches.
+// Warpgroup tensor-core path (Hopper, sm_90a) for fp16/bf16: prompt processing and large batches
+// for the families the sparse tensor cores cannot take (4:8, 4:16, 8:16, 2:16; dispatch.cu).
 //
-// Y^T = W^T X^T, computed as D[weight rows x activation rows] with wgmma.mma_async, both
-// operands K-major tiles in shared memory with the 128-byte swizzle:
-//  * A = the weight, expanded from the packed format one K step ahead into a dense [128 x 64]
-//    tile (each thread writes the pairs of its own rows), so the expansion of step t + 1 runs
-//    while the tensor cores work on step t;
-//  * B = the activations, a [rows x 64] tile per step, copied with cp.async, zero-filled past
-//    the last row and past K;
+// Y^T = W^T X^T, computed as D[weight rows x activation rows] with wgmma.mma_async:
+//  * A = the weight, from registers: each thread builds its A fragments (two rows, 16 pairs of
+//    dense positions) of step t + 1 from the packed format while the tensor cores work on step
+//    t, into the other of two fixed register sets; their writes are pinned before the fence;
+//  * B = the activations, a [rows x 64] K-major tile per step with the 128-byte swizzle, copied
+//    with cp.async, zero-filled past the last row and past K;
 //  * fp32 accumulators in registers; alpha and bias applied on the way out.
 // A block has two warpgroups (128 weight rows, 64 each) and one activation tile of 64, 128 or
 // 256 rows. The packed weight tile (values and offset words) and the activation tile of each
 // step land in a ring of shared-memory stages, kStages - 2 steps ahead of the MMAs; a stage is
-// refilled only after the MMAs that read it have retired.
+// refilled only after the MMAs that read it have retired. Calls with few tiles split K over a
+// cluster (sm90::launch_split, reduce_split).
+// Until session 28 A was a dense [128 x 64] shared-memory tile that each thread wrote and the
+// MMAs read, with a ring of 4-5 stages and no K split: the register build, 8 stages where they
+// fit and the split ran 2.0-2.5x faster at 128 rows, 1.06-3.55x at 512 and 1.02-1.22x at 4096
+// (BENCHMARKS.md). An earlier try at register operands had given wrong results (A rebuilt while
+// the MMAs that read it ran) or serialized MMAs (ptxas keeping one set alive).
 // Expansion: a thread owns 16 pairs of dense positions per step (its two A-fragment rows, the
 // pair 2q of each 8-position half). For N <= 2 a pair is one byte permute of the group's stored
 // values, with the selector looked up in a small shared-memory table indexed by the group's
 // offset bits and the pair's place in the group (7-8 instructions a pair; comparing each
-// entry's offset against the pair took about twice that); for N >= 4 the comparison remains
-// (4:8, 4:16, 8:16 run 30-55% slower). Each thread copies the same chunks every step, so the
-// copy addresses are computed once (StepLoader): computing them per step made the copies
-// the largest part of the instruction stream (199M -> 140M warp instructions at 4096^3 2:8).
-// A from shared memory, not registers: wgmma reads register operands asynchronously, and
-// rebuilding them while the previous step's MMAs ran gave wrong results (ptxas does not keep
-// them alive), while keeping them alive made ptxas serialize the MMAs. The fp32 kernel
-// (wgmma_tf32.cu) has since fed A from registers without either: two fixed register sets, one
-// built while the MMAs read the other, their writes pinned before the fence (session 28); this
-// kernel has not been moved to it.
+// entry's offset against the pair took about twice that); for N >= 4 the comparison remains.
+// Each thread copies the same chunks every step, so the copy addresses are computed once
+// (StepLoader): computing them per step made the copies the largest part of the instruction
+// stream (199M -> 140M warp instructions at 4096^3 2:8).
 // Used for N in {1, 2, 4, 8}, M in {4, 8, 16}, M <= 8N (a step holds whole 16-byte runs of
 // values), K % 8 == 0 (16-byte activation copies). Other calls take the mma path.
 #include <algorithm>
@@ -50,13 +50,15 @@ struct Family : sm90::Family<kN, kM> {
 template <int kN, int kM, int kRows>
 struct Layout {
   using F = Family<kN, kM>;
-  static constexpr int kStages = kRows >= 256 ? 4 : 5;
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;  // activation tile per stage
   static constexpr size_t kValues = F::kValues;                   // then the packed tile
   static constexpr size_t kStage = (kX + F::kTileBytes + 1023) / 1024 * 1024;
-  static constexpr size_t kA = static_cast<size_t>(kTileW) * 128;  // one dense weight tile
-  static constexpr size_t kAOffset = kStages * kStage;              // two of them, then the table
-  static constexpr size_t kTableOffset = kAOffset + 2 * kA;
+  // As many stages as fit, up to 8: the ring runs kStages - 2 steps ahead of the MMAs.
+  static constexpr int kStages =
+      std::min<int>(8, static_cast<int>((225 * 1024 - F::kTableEntries * 2) / kStage));
+  static constexpr size_t kTableOffset = kStages * kStage;        // then the selector table
+  static_assert(kStages >= 4, "the ring runs kStages - 2 steps ahead, at least 2");
+  static_assert(kThreads * kRows / 2 * 4 <= kTableOffset, "reduce_split's scratch fits in the ring");
   static constexpr size_t kBytes = kTableOffset + F::kTableEntries * 2 + 1024;  // + slack to align
 };
 
@@ -135,13 +137,25 @@ __device__ __forceinline__ uint32_t compare_pair(const uint8_t* group, uint32_t 
   return lo | (hi << 16);
 }
 
-// Writes the 16 dense pairs a thread owns for one step into its warpgroup's dense A tile: tile
-// rows ra and ra + 8 (packed rows `row` and row + 8 of the stage), K positions 16s + 8h + 2q
-// and + 1 for s < 4, h < 2. 32-bit stores: a quad writes one 16-byte chunk, the 8 rows of a
-// warp's store land in 8 different chunks of the swizzle (no bank conflicts).
+// A thread's A fragments for one step: a[s][i] for k16 MMA s, register i (row + 8 for odd i,
+// positions 2q, 2q + 1 for i < 2 and 2q + 8, 2q + 9 for i >= 2 of the MMA's 16).
+struct WeightFragments {
+  uint32_t a[kBK / 16][4];
+  // Pins the registers' values here in program order, before the fence that must follow their
+  // writes (the compiler would otherwise compute some of them past it, next to their MMA).
+  __device__ __forceinline__ void pin() {
+#pragma unroll
+    for (int s = 0; s < kBK / 16; ++s)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[s][i])::"memory");
+  }
+};
+
+// Builds the 16 dense pairs a thread owns for one step, its A fragments: rows `row` and row + 8 of
+// the stage's packed tile, K positions 16s + 8h + 2q and + 1 for s < 4, h < 2.
 template <int kN, int kM, int kRows>
-__device__ __forceinline__ void expand_step(const uint8_t* stage, int64_t t, int row, uint8_t* a_tile, int ra,
-                                            const uint16_t* table, int q) {
+__device__ __forceinline__ void expand_step(const uint8_t* stage, int64_t t, int row, const uint16_t* table, int q,
+                                            WeightFragments& f) {
   using F = Family<kN, kM>;
   using L = Layout<kN, kM, kRows>;
   const int first_bit = F::first_bit(t);
@@ -158,8 +172,6 @@ __device__ __forceinline__ void expand_step(const uint8_t* stage, int64_t t, int
     for (int i = 0; i < F::kIndexWords; ++i) raw[i] = words[i];
 #pragma unroll
     for (int i = 0; i < F::kOffsetWords; ++i) norm[i] = __funnelshift_r(raw[i], raw[i + 1], first_bit);
-    const int rt = ra + 8 * half_row;
-    uint8_t* dst = a_tile + rt * 128 + 4 * q;
 #pragma unroll
     for (int s = 0; s < kBK / 16; ++s)
 #pragma unroll
@@ -173,9 +185,10 @@ __device__ __forceinline__ void expand_step(const uint8_t* stage, int64_t t, int
         } else {
           dense = compare_pair<kN, kM>(values + g * kN * 2, code, 2 * pair);
         }
-        *reinterpret_cast<uint32_t*>(dst + (((2 * s + h) ^ (rt & 7)) << 4)) = dense;
+        f.a[s][half_row + 2 * h] = dense;
       }
   }
+  f.pin();
 }
 
 template <typename T, int kN, int kM, int kRows>
@@ -190,11 +203,12 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
   uint16_t* table = reinterpret_cast<uint16_t*>(smem + L::kTableOffset);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, wg = warp >> 2;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
-  const int64_t steps = (p.groups * kM + kBK - 1) / kBK;
-  // This thread's rows: A-fragment rows g and g + 8 of its warp's 16, in the warpgroup's tile.
-  const int ra = (warp & 3) * 16 + (lane >> 2), row = wg * 64 + ra;
-  auto stage_of = [&](int64_t t) { return smem + (t % S) * L::kStage; };
-  auto a_tile = [&](int64_t t) { return smem + L::kAOffset + (t & 1) * L::kA + wg * 64 * 128; };
+  int begin, end;  // this block's steps
+  sm90::split_steps<1>(p.groups * kM, begin, end);
+  const int steps = end - begin;
+  // This thread's rows: A-fragment rows g and g + 8 of its warp's 16.
+  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+  auto stage_of = [&](int i) { return smem + (i % S) * L::kStage; };  // step begin + i
 
   const StepLoader<T, kN, kM, kRows> loader(p, w0, r0);
 
@@ -205,38 +219,41 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
   if constexpr (F::kTable) fill_selectors<kN, kM>(table);
 
 #pragma unroll
-  for (int t = 0; t < S - 2; ++t) {
-    if (t < steps) loader.load(p, stage_of(t), t);
+  for (int i = 0; i < S - 2; ++i) {
+    if (i < steps) loader.load(p, stage_of(i), begin + i);
     sm90::cp_async_commit();
   }
   sm90::cp_async_wait<S - 3>();  // step 0 has landed (this thread's copies) ...
   __syncthreads();               // ... everyone's, and the selector table is written
-  if (steps > 0) expand_step<kN, kM, kRows>(stage_of(0), 0, row, a_tile(0), ra, table, q);
+  WeightFragments f0, f1;        // two sets: step t's MMAs read one while step t + 1's is built
+  if (steps > 0) expand_step<kN, kM, kRows>(stage_of(0), begin, row, table, q, f0);
 
-  for (int64_t t = 0; t < steps; ++t) {
-    // Steps t (for the MMAs) and t + 1 (for the expansion) have landed, and A(t) is written;
-    // step t - 2's MMAs retired in the previous iteration, so its stage can be refilled.
+  auto step = [&](int i, const WeightFragments& f, WeightFragments& next) {
+    // Steps i (for the MMAs) and i + 1 (for the expansion) have landed; step i - 2's MMAs retired
+    // in the previous iteration, so its stage can be refilled.
     sm90::cp_async_wait<S - 4>();
     sm90::fence_async_proxy();
     __syncthreads();
-    if (t + S - 2 < steps) loader.load(p, stage_of(t + S - 2), t + S - 2);
+    if (i + S - 2 < steps) loader.load(p, stage_of(i + S - 2), begin + i + S - 2);
     sm90::cp_async_commit();
 
-    const uint32_t xs = sm90::smem_addr(stage_of(t)), as = sm90::smem_addr(a_tile(t));
+    const uint32_t xs = sm90::smem_addr(stage_of(i));
     sm90::fence_operands(acc);
     sm90::wgmma_fence();
 #pragma unroll
-    for (int s = 0; s < kBK / 16; ++s)
-      sm90::wgmma<kRows, kBf16>(acc, sm90::sw128_desc(as + s * 32), sm90::sw128_desc(xs + s * 32));
+    for (int s = 0; s < kBK / 16; ++s) sm90::wgmma_rs<kRows, kBf16>(acc, f.a[s], sm90::sw128_desc(xs + s * 32));
     sm90::wgmma_commit();
     sm90::fence_operands(acc);
-    sm90::wgmma_wait<1>();  // step t - 1's MMAs have retired: its A tile is free for step t + 1
-    if (t + 1 < steps) expand_step<kN, kM, kRows>(stage_of(t + 1), t + 1, row, a_tile(t + 1), ra, table, q);
+    sm90::wgmma_wait<1>();  // step i - 1's MMAs have retired: its fragments are free for step i + 1
+    if (i + 1 < steps) expand_step<kN, kM, kRows>(stage_of(i + 1), begin + i + 1, row, table, q, next);
+  };
+  for (int i = 0; i < steps; i += 2) {  // two at a time, so that each set stays in fixed registers
+    step(i, f0, f1);
+    if (i + 1 < steps) step(i + 1, f1, f0);
   }
   sm90::wgmma_wait<0>();
   sm90::fence_operands(acc);
-
-  sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
+  if (sm90::reduce_split(acc, smem)) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -260,9 +277,10 @@ bool wgmma_device() { return compute_capability() == 90; }
 template <typename T>
 cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_family, [&](auto kN, auto kM) {
-    return sm90::launch_widest(p, [&](auto rows) {
+    const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
+    return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, {}, [&](auto rows, int splits) {
       return sm90::launch_tiles<wgmma_kernel<T, kN(), kM(), rows()>, rows(), Layout<kN(), kM(), rows()>::kBytes>(
-          p, stream, 1, false);
+          p, stream, splits, false);
     });
   });
 }

@@ -99,10 +99,10 @@ __device__ __forceinline__ uint64_t sw64_desc(uint32_t addr) {
 // tile in shared memory (< 228 KB) never carries out of its 14-bit field.
 __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
-// D[64 x N] += A[64 x 16] * B[16 x N], both K-major tiles in shared memory (descriptors above),
-// fp32 accumulators (N/2 per thread; the mma.m16n8 C layout per warp, warp w owning rows
-// 16w..16w+15). PTX takes the accumulators as a brace list of registers, so the operand lists are
-// built from fixed chunks by the preprocessor.
+// The MMAs below: D[64 x N] += A[64 x K] * B[K x N], B a K-major tile in shared memory
+// (descriptors above), fp32 accumulators (N/2 per thread; the mma.m16n8 C layout per warp, warp w
+// owning rows 16w..16w+15). PTX takes the accumulators as a brace list of registers, so the
+// operand lists are built from fixed chunks by the preprocessor.
 
 // The placeholders of the accumulator brace list, in chunks of 16 and 32 (string literals concatenate).
 #define NMCLI_WGMMA_REGS_0_15 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
@@ -124,21 +124,6 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
 #define NMCLI_WGMMA_ACC32(i) \
   NMCLI_WGMMA_ACC8(i), NMCLI_WGMMA_ACC8((i) + 8), NMCLI_WGMMA_ACC8((i) + 16), NMCLI_WGMMA_ACC8((i) + 24)
 
-// One wgmma.mma_async of SHAPE: REGS is the accumulator placeholder list, DESCS the two
-// descriptor placeholders that follow it, the rest the accumulator operands.
-#define NMCLI_WGMMA_SS(SHAPE, TYPE, REGS, DESCS, ...) \
-  asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" REGS "}, " DESCS ", 1, 1, 1, 0, 0;" \
-               : __VA_ARGS__ : "l"(a_desc), "l"(b_desc))
-
-#define NMCLI_WGMMA_SS_M64N64K16(TYPE) \
-  NMCLI_WGMMA_SS("m64n64k16", TYPE, NMCLI_WGMMA_REGS_0_31, "%32, %33", NMCLI_WGMMA_ACC32(0))
-#define NMCLI_WGMMA_SS_M64N128K16(TYPE) \
-  NMCLI_WGMMA_SS("m64n128k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "%64, %65", \
-                 NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32))
-#define NMCLI_WGMMA_SS_M64N256K16(TYPE) \
-  NMCLI_WGMMA_SS("m64n256k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63 ", " NMCLI_WGMMA_REGS_64_127, \
-                 "%128, %129", NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32), NMCLI_WGMMA_ACC32(64), NMCLI_WGMMA_ACC32(96))
-
 // The body of a wrapper templated on <kWidth, kBf16>: the instruction macro (taking the type
 // name) for the activation-tile width, with the type the template asks for.
 #define NMCLI_WGMMA_FOR_WIDTH(N64, N128, N256) \
@@ -151,9 +136,27 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
     if constexpr (kBf16) N256("bf16"); else N256("f16"); \
   }
 
+// K = 16 of fp16/bf16, A from registers: per warp the mma.m16n8k16 A fragment of its 16 rows (a[0]
+// row g, a[1] row g + 8, a[2] and a[3] the same rows 8 columns on, each two 16-bit values; g =
+// lane / 4, columns 2 (lane % 4) and + 1). The MMA reads them asynchronously: they must stay
+// unchanged until wgmma_wait retires it.
+#define NMCLI_WGMMA_RS(SHAPE, TYPE, REGS, OPERANDS, ...) \
+  asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" REGS "}, " OPERANDS ", 1, 1, 1, 0;" \
+               : __VA_ARGS__ : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc))
+
+#define NMCLI_WGMMA_RS_M64N64K16(TYPE) \
+  NMCLI_WGMMA_RS("m64n64k16", TYPE, NMCLI_WGMMA_REGS_0_31, "{%32, %33, %34, %35}, %36", NMCLI_WGMMA_ACC32(0))
+#define NMCLI_WGMMA_RS_M64N128K16(TYPE) \
+  NMCLI_WGMMA_RS("m64n128k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "{%64, %65, %66, %67}, %68", \
+                 NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32))
+#define NMCLI_WGMMA_RS_M64N256K16(TYPE) \
+  NMCLI_WGMMA_RS("m64n256k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63 ", " NMCLI_WGMMA_REGS_64_127, \
+                 "{%128, %129, %130, %131}, %132", NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32), NMCLI_WGMMA_ACC32(64), \
+                 NMCLI_WGMMA_ACC32(96))
+
 template <int kWidth, bool kBf16>
-__device__ __forceinline__ void wgmma(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc) {
-  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SS_M64N64K16, NMCLI_WGMMA_SS_M64N128K16, NMCLI_WGMMA_SS_M64N256K16)
+__device__ __forceinline__ void wgmma_rs(float (&d)[kWidth / 2], const uint32_t (&a)[4], uint64_t b_desc) {
+  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_RS_M64N64K16, NMCLI_WGMMA_RS_M64N128K16, NMCLI_WGMMA_RS_M64N256K16)
 }
 
 // D[64 x N] += A[64 x 8] * B[8 x N] on TF32 (fp32 values; the instruction reads their upper 19

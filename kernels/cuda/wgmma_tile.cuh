@@ -98,17 +98,6 @@ auto with_family_of(int n, int m, Fn&& fn) {
   return found ? result : fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
 }
 
-// The widest activation tile (256, 128 or 64 rows) that still gives every SM a block (wider
-// tiles read each weight tile fewer times; narrower ones fill the GPU at a few hundred rows).
-// launch(std::integral_constant<int, kRows>) starts the kernel.
-template <typename T, typename Launch>
-cudaError_t launch_widest(const PathParams<T>& p, Launch&& launch) {
-  const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
-  if ((p.rows + 255) / 256 * weight_tiles >= sms) return launch(std::integral_constant<int, 256>{});
-  if ((p.rows + 127) / 128 * weight_tiles >= sms) return launch(std::integral_constant<int, 128>{});
-  return launch(std::integral_constant<int, 64>{});
-}
-
 // Whether a warpgroup kernel can run the call: 16-byte activation copies (K % 8 == 0, x 16-byte
 // aligned) on a device that runs sm_90a code.
 template <typename T>
@@ -170,7 +159,7 @@ struct SplitRule {
 // time, waves x (steps per block + the split's cost) x the step cost of that width (`tiles`,
 // widest first; ties go to the wider tile, which reads each weight tile fewer times, then to the
 // smaller split). For the sparse kernels (SplitRule{}), against "the widest tile that fills the
-// GPU" (launch_widest): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x at 256 rows with N >= 11008,
+// GPU" (the rule before it): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x at 256 rows with N >= 11008,
 // 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
 // launch(std::integral_constant<int, kRows>, splits) starts the kernel; kWidths lists the widths
 // it compiles, which `tiles` must not go beyond.
