@@ -4,7 +4,7 @@
 // Y^T = W^T X^T, computed as D[weight rows x activation rows] with wgmma.mma_async:
 //  * A = the weight, from registers: each thread builds its A fragments (two rows, 16 pairs of
 //    dense positions) of step t + 1 from the packed format while the tensor cores work on step
-//    t, into the other of two fixed register sets; their writes are pinned before the fence;
+//    t, into the other of two fixed register sets (sm90::fence_operands keeps their writes first);
 //  * B = the activations, a [rows x 64] K-major tile per step with the 128-byte swizzle, copied
 //    with cp.async, zero-filled past the last row and past K;
 //  * fp32 accumulators in registers; alpha and bias applied on the way out.
@@ -15,14 +15,18 @@
 // cluster (sm90::launch_split, reduce_split).
 // Until session 28 A was a dense [128 x 64] shared-memory tile that each thread wrote and the
 // MMAs read, with a ring of 4-5 stages and no K split: the register build, 8 stages where they
-// fit and the split ran 2.0-2.5x faster at 128 rows, 1.06-3.55x at 512 and 1.02-1.22x at 4096
-// (BENCHMARKS.md). An earlier try at register operands had given wrong results (A rebuilt while
-// the MMAs that read it ran) or serialized MMAs (ptxas keeping one set alive).
+// fit and the split ran 2.0-2.5x faster at 128 rows, 1.06-3.55x at 512 and 1.02-1.22x at 4096 on
+// 4:16 and 4:8, and mask_pair another 1.15-1.45x (BENCHMARKS.md); they still run 0.29-0.61x
+// cuBLAS fp16, bound by the expansion. An earlier try at register operands had given wrong
+// results (A rebuilt while the MMAs that read it ran) or serialized MMAs (ptxas keeping one set
+// alive).
 // Expansion: a thread owns 16 pairs of dense positions per step (its two A-fragment rows, the
 // pair 2q of each 8-position half). For N <= 2 a pair is one byte permute of the group's stored
 // values, with the selector looked up in a small shared-memory table indexed by the group's
 // offset bits and the pair's place in the group (7-8 instructions a pair; comparing each
-// entry's offset against the pair took about twice that); for N >= 4 the comparison remains.
+// entry's offset against the pair took about twice that); for N = 4 a pair is one byte permute
+// selected by counting the group's offset-mask bits below it (mask_pair), for N = 8 the
+// comparison remains.
 // Each thread copies the same chunks every step, so the copy addresses are computed once
 // (StepLoader): computing them per step made the copies the largest part of the instruction
 // stream (199M -> 140M warp instructions at 4096^3 2:8).
@@ -114,18 +118,13 @@ __device__ __forceinline__ uint32_t group_values(const uint8_t* p) {
   else return *reinterpret_cast<const uint32_t*>(p);
 }
 
-// N >= 4: the dense pair at positions o, o + 1 of a group, by comparing each entry's offset.
+// N = 8: the dense pair at positions o, o + 1 of a group, by comparing each entry's offset.
 template <int kN, int kM>
 __device__ __forceinline__ uint32_t compare_pair(const uint8_t* group, uint32_t code, int o) {
   using F = Family<kN, kM>;
-  uint32_t v[kN / 2];
-  if constexpr (kN == 4) {
-    const uint2 u = *reinterpret_cast<const uint2*>(group);
-    v[0] = u.x; v[1] = u.y;
-  } else {
-    const uint4 u = *reinterpret_cast<const uint4*>(group);
-    v[0] = u.x; v[1] = u.y; v[2] = u.z; v[3] = u.w;
-  }
+  static_assert(kN == 8, "N <= 2 take the selector table, N = 4 mask_pair");
+  const uint4 u = *reinterpret_cast<const uint4*>(group);
+  const uint32_t v[4] = {u.x, u.y, u.z, u.w};
   uint32_t lo = 0, hi = 0;
 #pragma unroll
   for (int e = 0; e < kN; ++e) {
@@ -141,15 +140,25 @@ __device__ __forceinline__ uint32_t compare_pair(const uint8_t* group, uint32_t 
 // positions 2q, 2q + 1 for i < 2 and 2q + 8, 2q + 9 for i >= 2 of the MMA's 16).
 struct WeightFragments {
   uint32_t a[kBK / 16][4];
-  // Pins the registers' values here in program order, before the fence that must follow their
-  // writes (the compiler would otherwise compute some of them past it, next to their MMA).
-  __device__ __forceinline__ void pin() {
-#pragma unroll
-    for (int s = 0; s < kBK / 16; ++s)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[s][i])::"memory");
-  }
 };
+
+// N = 4: the dense pair at positions o, o + 1 of a group from the group's offset mask (bit p set
+// where an entry sits). Offsets strictly increase within a group (docs/FORMAT.md), so the entry at
+// p is the count of mask bits below p, and one byte permute of the group's 8 value bytes picks
+// both halves (about half the instructions of comparing every entry's offset with both).
+template <int kM>
+__device__ __forceinline__ uint32_t mask_pair(const uint8_t* group, uint32_t code, int o) {
+  constexpr int kBits = index_bits(kM);
+  uint32_t mask = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) mask |= 1u << ((code >> (e * kBits)) & (kM - 1));
+  const uint2 v = *reinterpret_cast<const uint2*>(group);
+  const uint32_t lo = __popc(mask & ((1u << o) - 1u)), has_lo = (mask >> o) & 1u, has_hi = (mask >> (o + 1)) & 1u;
+  const uint32_t hi = lo + has_lo;  // entry indices, meaningful where has_lo / has_hi
+  // Selector nibbles 2i, 2i + 1 pick entry i's bytes out of (v.x, v.y).
+  const uint32_t dense = __byte_perm(v.x, v.y, (lo * 0x22u + 0x10u) | (hi * 0x22u + 0x10u) << 8);
+  return dense & ((has_lo ? 0xffffu : 0u) | (has_hi ? 0xffff0000u : 0u));
+}
 
 // Builds the 16 dense pairs a thread owns for one step, its A fragments: rows `row` and row + 8 of
 // the stage's packed tile, K positions 16s + 8h + 2q and + 1 for s < 4, h < 2.
@@ -182,13 +191,15 @@ __device__ __forceinline__ void expand_step(const uint8_t* stage, int64_t t, int
         uint32_t dense;
         if constexpr (F::kTable) {
           dense = __byte_perm(group_values<kN>(values + g * kN * 2), 0u, table[code * (kM / 2) + pair]);
+        } else if constexpr (kN == 4) {
+          dense = mask_pair<kM>(values + g * kN * 2, code, 2 * pair);
         } else {
           dense = compare_pair<kN, kM>(values + g * kN * 2, code, 2 * pair);
         }
         f.a[s][half_row + 2 * h] = dense;
       }
   }
-  f.pin();
+  sm90::fence_operands(f.a);
 }
 
 template <typename T, int kN, int kM, int kRows>
@@ -225,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
   }
   sm90::cp_async_wait<S - 3>();  // step 0 has landed (this thread's copies) ...
   __syncthreads();               // ... everyone's, and the selector table is written
-  WeightFragments f0, f1;        // two sets: step t's MMAs read one while step t + 1's is built
+  WeightFragments f0, f1;        // two sets: step i's MMAs read one while step i + 1's is built
   if (steps > 0) expand_step<kN, kM, kRows>(stage_of(0), begin, row, table, q, f0);
 
   auto step = [&](int i, const WeightFragments& f, WeightFragments& next) {

@@ -76,6 +76,16 @@ __device__ __forceinline__ void fence_operands(float (&d)[kCount]) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for A fragments built in registers (kCount MMAs' 4 registers each): their values are
+// fixed here, before the wgmma_fence that must follow their writes (the compiler would otherwise
+// compute some of them past it, next to the MMA that reads them).
+template <int kCount>
+__device__ __forceinline__ void fence_operands(uint32_t (&a)[kCount][4]) {
+#pragma unroll
+  for (int k = 0; k < kCount; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+}
 
 
 // Descriptor of a K-major tile of 16-bit values in shared memory with the 128-byte swizzle:

@@ -100,14 +100,6 @@ __device__ __forceinline__ void load_floats(const float* src, float (&v)[kCount]
 // `row` (+ 8 for odd i), slot 2k + (i >> 1) of the thread's eight (position 8q + 2k + (i >> 1)).
 struct WeightFragments {
   uint32_t big[4][4], small[4][4];
-  // Pins the registers' values here in program order: the compiler would otherwise compute some
-  // of them just before the MMAs that read them, past the fence that must follow their writes.
-  __device__ __forceinline__ void pin() {
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(big[k][i]), "+r"(small[k][i])::"memory");
-  }
 };
 
 // Builds this thread's fragments of step t from the packed tile: for each of its two rows, its
@@ -221,7 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_tf32_kernel(PathParams<floa
     uint8_t* ops = operands(i);
     split_activations<kRows>(stage(i), ops, ops + L::kX);
     expand_weight<kN, kM>(stage(i) + L::kX, begin + i, row, q, f);
-    f.pin();
+    sm90::fence_operands(f.big);
+    sm90::fence_operands(f.small);
   };
 
   float acc[kRows / 2];
