@@ -72,7 +72,9 @@ struct Tf32Layout {
 
 // Byte offset of 16-byte chunk `c` (0..7) of row `r` in a [rows x 32] fp32 tile with the 128-byte
 // swizzle (chunk c of row r at chunk c ^ (r % 8)).
-__device__ __forceinline__ uint32_t swizzled_chunk(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
+__device__ __forceinline__ uint32_t swizzled_chunk(int r, int c) {
+  return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4));
+}
 
 // Loads kCount consecutive floats from `src` (kAlign: the largest power of two dividing their
 // byte offset from a 16-byte aligned base) with the widest loads that alignment allows.

@@ -159,8 +159,8 @@ struct SplitRule {
 // time, waves x (steps per block + the split's cost) x the step cost of that width (`tiles`,
 // widest first; ties go to the wider tile, which reads each weight tile fewer times, then to the
 // smaller split). For the sparse kernels (SplitRule{}), against "the widest tile that fills the
-// GPU" (the rule before it): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x at 256 rows with N >= 11008,
-// 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
+// GPU" (the rule before it): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x at 256 rows with
+// N >= 11008, 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
 // launch(std::integral_constant<int, kRows>, splits) starts the kernel; kWidths lists the widths
 // it compiles, which `tiles` must not go beyond.
 template <int... kWidths, typename T, size_t kCount, typename Launch>
