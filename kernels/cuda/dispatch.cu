@@ -16,6 +16,10 @@
 //    grid has at least 48 blocks: 1.1-3.3x the mma path there, while at 64 rows the mma path's
 //    split-K wins on 3 of 5 LLaMA shapes (and narrow outputs at a few hundred rows leave most
 //    SMs idle: 256 x 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks).
+//    From 17 rows where Nout gives at least 32 weight tiles (4096 and up): session 28's kernel
+//    (A from registers, K split over a cluster, mask_pair) ran 1.04-3.03x the mma path at 17, 32,
+//    64 and 100 rows on the five LLaMA shapes for 4:16 and 4:8 (`nmcli bench kernels --path
+//    mma|wgmma`). Narrower outputs keep the rule above (not measured again).
 //  * From 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K
 //    over a cluster keeps small row counts fast), except at 9..16 rows for N/M <= 1/4 when the
 //    decode kernel stages the whole K at once (session 8, --path decode|mma at 12 and 16 rows:
@@ -251,8 +255,10 @@ CudaPath choose_path(const CudaMatMul& call) {
   if ((call.rows > kDecodeMaxRows || two_of_four) && wgmma_blocks >= kWgmmaSpMinBlocks &&
       path_supported(call, CudaPath::wgmma_sp))
     return CudaPath::wgmma_sp;
-  if (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks && path_supported(call, CudaPath::wgmma))
-    return CudaPath::wgmma;
+  const int64_t weight_tiles = (call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
+  const bool wgmma_grid = (call.rows > kDecodeMaxRows && weight_tiles >= kWgmmaWideTiles) ||
+                          (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks);
+  if (wgmma_grid && path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
   if (path_supported(call, CudaPath::mma)) {
     // 9..16 rows: the decode kernel still wins for the sparser patterns when it stages the
     // activations once; with several K chunks, or at N/M = 1/2, the mma path does.
