@@ -16,7 +16,7 @@
 //    grid has at least 48 blocks: 1.1-3.3x the mma path there, while at 64 rows the mma path's
 //    split-K wins on 3 of 5 LLaMA shapes (and narrow outputs at a few hundred rows leave most
 //    SMs idle: 256 x 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks).
-//    From 17 rows where Nout gives at least 32 weight tiles (4096 and up): session 28's kernel
+//    From 17 rows where Nout gives at least 32 weight tiles (Nout > 3968): session 28's kernel
 //    (A from registers, K split over a cluster, mask_pair) ran 1.04-3.03x the mma path at 17, 32,
 //    64 and 100 rows on the five LLaMA shapes for 4:16 and 4:8 (`nmcli bench kernels --path
 //    mma|wgmma`). Narrower outputs keep the rule above (not measured again).
