@@ -1,35 +1,31 @@
 // Warpgroup tensor-core path (Hopper, sm_90a) for fp16/bf16: prompt processing and large batches
 // for the families the sparse tensor cores cannot take (4:8, 4:16, 8:16, 2:16; dispatch.cu).
 //
-// Y^T = W^T X^T, computed as D[weight rows x activation rows] with wgmma.mma_async:
-//  * A = the weight, from registers: each thread builds its A fragments (two rows, 16 pairs of
-//    dense positions) of step t + 1 from the packed format while the tensor cores work on step
-//    t, into the other of two fixed register sets (sm90::fence_operands keeps their writes first);
-//  * B = the activations, a [rows x 64] K-major tile per step with the 128-byte swizzle, copied
-//    with cp.async, zero-filled past the last row and past K;
+// Y^T = W^T X^T, computed as D[weight rows x activation rows] with wgmma.mma_async, both operands
+// K-major [rows x 64] tiles in shared memory with the 128-byte swizzle:
+//  * A = the weight tile, rebuilt dense for each step by scattering the stored entries: the tile is
+//    zeroed, then each stored value is written to its dense position (one shift, one LOP3 and one
+//    16-bit store per entry);
+//  * B = the activations, copied with cp.async, zero-filled past the last row and past K;
 //  * fp32 accumulators in registers; alpha and bias applied on the way out.
 // A block has two warpgroups (128 weight rows, 64 each) and one activation tile of 64, 128 or
 // 256 rows. The packed weight tile (values and offset words) and the activation tile of each
 // step land in a ring of shared-memory stages, kStages - 2 steps ahead of the MMAs; a stage is
-// refilled only after the MMAs that read it have retired. Calls with few tiles split K over a
-// cluster (sm90::launch_split, reduce_split).
-// Until session 28 A was a dense [128 x 64] shared-memory tile that each thread wrote and the
-// MMAs read, with a ring of 4-5 stages and no K split: the register build, 8 stages where they
-// fit and the split ran 2.0-2.5x faster at 128 rows, 1.06-3.55x at 512 and 1.02-1.22x at 4096 on
-// 4:16 and 4:8, and mask_pair another 1.15-1.45x (BENCHMARKS.md); they still run 0.29-0.61x
-// cuBLAS fp16, bound by the expansion. An earlier try at register operands had given wrong
-// results (A rebuilt while the MMAs that read it ran) or serialized MMAs (ptxas keeping one set
-// alive).
-// Expansion: a thread owns 16 pairs of dense positions per step (its two A-fragment rows, the
-// pair 2q of each 8-position half). For N <= 2 a pair is one byte permute of the group's stored
-// values, with the selector looked up in a small shared-memory table indexed by the group's
-// offset bits and the pair's place in the group (7-8 instructions a pair; comparing each
-// entry's offset against the pair took about twice that); for N = 4 a pair is one byte permute
-// selected by counting the group's offset-mask bits below it (mask_pair), for N = 8 the
-// comparison remains.
-// Each thread copies the same chunks every step, so the copy addresses are computed once
-// (StepLoader): computing them per step made the copies the largest part of the instruction
-// stream (199M -> 140M warp instructions at 4096^3 2:8).
+// refilled only after the MMAs that read it have retired. The dense weight tiles rotate through
+// three buffers: step i's MMAs read one, step i + 1 is scattered into the next (zeroed during step
+// i - 1, so the block barrier at the top of step i orders the zeros before the values), and the
+// one step i - 1's MMAs read is zeroed. Calls with few tiles split K over a cluster
+// (sm90::launch_split, reduce_split).
+// Until session 29 each thread gathered its A fragments in registers: for every pair of dense
+// positions it looked up which stored entries land there (a selector table for N <= 2, a popcount
+// over the group's offset mask for N = 4, comparisons for N = 8), ~40 instructions a pair
+// (ncu at 4096^3 4:16: 169M warp instructions, issue slots busy 43% with 2 warps a scheduler).
+// The scatter touches each stored entry once instead of each dense pair: 110M instructions, and
+// 1.16-1.60x on 4:16 and 4:8 on the LLaMA shapes (BENCHMARKS.md, session 29). It still runs
+// 0.34-0.92x cuBLAS fp16, with the tensor pipe active 41% of the time at 4096^3: the activation
+// tile by cp.async is the limit left (loading later in the step, or 128-row tiles that need more
+// bytes per MMA, ran 0.7-0.9x), where the sparse kernel's tensor copies from a producer warp
+// (wgmma_sp.cu) move about 2.3x the bytes per second into each SM.
 // Used for N in {1, 2, 4, 8}, M in {4, 8, 16}, M <= 8N (a step holds whole 16-byte runs of
 // values), K % 8 == 0 (16-byte activation copies). Other calls take the mma path.
 #include <algorithm>
@@ -44,26 +40,19 @@ using sm90::kBK;
 using sm90::kThreads;
 using sm90::kTileW;
 
-// Expansion by selector table (N <= 2) or by comparing offsets (N >= 4).
-template <int kN, int kM>
-struct Family : sm90::Family<kN, kM> {
-  static constexpr bool kTable = kN <= 2;
-  static constexpr int kTableEntries = kTable ? (1 << (kN * index_bits(kM))) * (kM / 2) : 0;
-};
-
 template <int kN, int kM, int kRows>
 struct Layout {
-  using F = Family<kN, kM>;
+  using F = sm90::Family<kN, kM>;
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;  // activation tile per stage
-  static constexpr size_t kValues = F::kValues;                   // then the packed tile
-  static constexpr size_t kStage = (kX + F::kTileBytes + 1023) / 1024 * 1024;
+  static constexpr size_t kStage = (kX + F::kTileBytes + 1023) / 1024 * 1024;  // + the packed tile
+  static constexpr size_t kA = static_cast<size_t>(kTileW) * 128;  // a dense weight tile
+  static constexpr int kBuffers = 3;
   // As many stages as fit, up to 8: the ring runs kStages - 2 steps ahead of the MMAs.
-  static constexpr int kStages =
-      std::min<int>(8, static_cast<int>((225 * 1024 - F::kTableEntries * 2) / kStage));
-  static constexpr size_t kTableOffset = kStages * kStage;        // then the selector table
+  static constexpr int kStages = std::min<int>(8, static_cast<int>((225 * 1024 - kBuffers * kA) / kStage));
+  static constexpr size_t kAOffset = kStages * kStage;  // then the dense weight tiles
   static_assert(kStages >= 4, "the ring runs kStages - 2 steps ahead, at least 2");
-  static_assert(kThreads * kRows / 2 * 4 <= kTableOffset, "reduce_split's scratch fits in the ring");
-  static constexpr size_t kBytes = kTableOffset + F::kTableEntries * 2 + 1024;  // + slack to align
+  static_assert(kThreads * kRows / 2 * 4 <= kAOffset, "reduce_split's scratch fits in the ring");
+  static constexpr size_t kBytes = kAOffset + kBuffers * kA + 1024;  // + slack to align
 };
 
 // Copies a step's activation tile and packed weight tile into its stage.
@@ -82,152 +71,101 @@ struct StepLoader {
   }
 };
 
-// Selector table for N <= 2: entry code * (M/2) + p is the byte-permute selector that turns the
-// group's stored values (entry e in bytes 2e, 2e+1 of a 32-bit word) into the dense pair of
-// positions 2p, 2p+1, for a group whose offset bits are `code`; 0x44 picks zero bytes.
+__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0u) : "memory");
+}
+// The low 16 bits of `value`.
+__device__ __forceinline__ void st_shared_u16(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(static_cast<uint16_t>(value)) : "memory");
+}
+
+// A thread's share of rebuilding its warpgroup's 64 rows of a step's dense weight tile: pairs of
+// consecutive stored entries (one 32-bit word of values), the same pair of rows first_row,
+// first_row + kRowStep, ... (a warp's lanes cover whole rows, so a load of values is one
+// contiguous run and the stores of a warp land in few rows).
 template <int kN, int kM>
-__device__ __forceinline__ void fill_selectors(uint16_t* table) {
-  using F = Family<kN, kM>;
-  for (int i = threadIdx.x; i < F::kTableEntries; i += kThreads) {
-    const int code = i / (kM / 2), pair = i % (kM / 2);
-    uint32_t lo = 0x44, hi = 0x44;
-    for (int e = 0; e < kN; ++e) {
-      const int off = (code >> (e * F::kBits)) & ((1 << F::kBits) - 1);
-      const uint32_t bytes = static_cast<uint32_t>(2 * e) | static_cast<uint32_t>(2 * e + 1) << 4;
-      if (off == 2 * pair) lo = bytes;
-      if (off == 2 * pair + 1) hi = bytes;
+struct Scatter {
+  using F = sm90::Family<kN, kM>;
+  static constexpr int kPairs = F::kEntries / 2;  // pairs per row per step
+  static constexpr int kRowStep = 128 / kPairs;   // rows between this thread's pairs
+  static constexpr int kCount = 64 / kRowStep;    // pairs per thread per step
+  static_assert(kRowStep % 8 == 0, "a thread's rows share their swizzle phase");
+
+  int first_row;       // in the block's tile
+  int pair;            // in the row
+  uint32_t key[2];     // per entry of the pair: first_row's byte offset in a dense tile, XOR the
+                       // swizzled offset of its group's first position
+
+  __device__ __forceinline__ Scatter() {
+    const int tid = threadIdx.x & 127;
+    first_row = (threadIdx.x >> 7) * 64 + tid / kPairs;
+    pair = tid % kPairs;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int group = (2 * pair + e) / kN;
+      // Byte of dense position p in row r: r * 128 + (2p ^ (r % 8) * 16) (128-byte swizzle), and
+      // 2p = 2 * group * M | 2 * offset, the two parts in disjoint bits.
+      const uint32_t swizzled = static_cast<uint32_t>((first_row & 7) * 16) ^ (2u * group * kM);
+      key[e] = static_cast<uint32_t>(first_row * 128) | swizzled;
     }
-    table[i] = static_cast<uint16_t>(lo | hi << 8);
   }
-}
 
-// Bits [bit, bit + width) of a step's offsets (width <= 32), shifted down to bit 0. `bit` is a
-// compile-time constant once the callers' loops are unrolled; `extra` is a per-thread shift that
-// never crosses a word.
-__device__ __forceinline__ uint32_t offset_bits(const uint32_t* norm, int bit, int width, int extra) {
-  const int word = bit >> 5, shift = bit & 31;
-  uint32_t v = norm[word] >> (shift + extra);
-  if (shift + width > 32) v |= norm[word + 1] << (32 - shift);
-  return width >= 32 ? v : v & ((1u << width) - 1u);
-}
-
-// The stored values of a group (entry e in bits 16e..16e+15), up to two entries.
-template <int kN>
-__device__ __forceinline__ uint32_t group_values(const uint8_t* p) {
-  if constexpr (kN == 1) return *reinterpret_cast<const uint16_t*>(p);
-  else return *reinterpret_cast<const uint32_t*>(p);
-}
-
-// N = 8: the dense pair at positions o, o + 1 of a group, by comparing each entry's offset.
-template <int kN, int kM>
-__device__ __forceinline__ uint32_t compare_pair(const uint8_t* group, uint32_t code, int o) {
-  using F = Family<kN, kM>;
-  static_assert(kN == 8, "N <= 2 take the selector table, N = 4 mask_pair");
-  const uint4 u = *reinterpret_cast<const uint4*>(group);
-  const uint32_t v[4] = {u.x, u.y, u.z, u.w};
-  uint32_t lo = 0, hi = 0;
+  // Zeroes this thread's 64 bytes of its warpgroup's half of the dense tile at `tile` (consecutive
+  // lanes, consecutive 16-byte chunks: no bank conflicts).
+  __device__ __forceinline__ void zero(uint32_t tile) const {
+    const uint32_t base = tile + (threadIdx.x >> 7) * 64 * 128 + (threadIdx.x & 127) * 16;
 #pragma unroll
-  for (int e = 0; e < kN; ++e) {
-    const uint32_t off = (code >> (e * F::kBits)) & ((1u << F::kBits) - 1u);
-    const uint32_t value = (v[e / 2] >> (16 * (e & 1))) & 0xffffu;
-    lo |= off == static_cast<uint32_t>(o) ? value : 0u;
-    hi |= off == static_cast<uint32_t>(o + 1) ? value : 0u;
+    for (int j = 0; j < 4; ++j) st_shared_zero16(base + j * 128 * 16);
   }
-  return lo | (hi << 16);
-}
 
-// A thread's A fragments for one step: a[s][i] for k16 MMA s, register i (row + 8 for odd i,
-// positions 2q, 2q + 1 for i < 2 and 2q + 8, 2q + 9 for i >= 2 of the MMA's 16).
-struct WeightFragments {
-  uint32_t a[kBK / 16][4];
+  // Writes this thread's stored entries of step t (the step's packed tile at `packed`) to their
+  // dense positions in the zeroed tile at `tile`.
+  __device__ __forceinline__ void write(const uint8_t* packed, int64_t t, uint32_t tile) const {
+    const int bit = F::first_bit(t) + pair * 2 * F::kBits;
+    const int word = bit >> 5, shift = bit & 31, next = min(word + 1, F::kIndexWords - 1);
+    const uint32_t key0 = tile + key[0], key1 = tile + key[1];
+    constexpr uint32_t kMask = 2 * kM - 2;
+#pragma unroll
+    for (int j = 0; j < kCount; ++j) {
+      const int r = first_row + j * kRowStep;
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(packed + F::kValues) + r * F::kIndexWords;
+      const uint32_t offsets = __funnelshift_r(words[word], words[next], shift);  // the pair's from bit 0
+      const uint32_t values = *reinterpret_cast<const uint32_t*>(packed + r * F::kValueBytes + pair * 4);
+      const uint32_t rows = j * kRowStep * 128;  // the row's bytes past first_row's
+      st_shared_u16((key0 ^ ((offsets << 1) & kMask)) + rows, values);
+      st_shared_u16((key1 ^ ((offsets >> (F::kBits - 1)) & kMask)) + rows, values >> 16);
+    }
+  }
 };
-
-// N = 4: the dense pair at positions o, o + 1 of a group from the group's offset mask (bit p set
-// where an entry sits). Offsets strictly increase within a group (docs/FORMAT.md), so the entry at
-// p is the count of mask bits below p, and one byte permute of the group's 8 value bytes picks
-// both halves (about half the instructions of comparing every entry's offset with both).
-template <int kM>
-__device__ __forceinline__ uint32_t mask_pair(const uint8_t* group, uint32_t code, int o) {
-  constexpr int kBits = index_bits(kM);
-  uint32_t mask = 0;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) mask |= 1u << ((code >> (e * kBits)) & (kM - 1));
-  const uint2 v = *reinterpret_cast<const uint2*>(group);
-  const uint32_t lo = __popc(mask & ((1u << o) - 1u)), has_lo = (mask >> o) & 1u, has_hi = (mask >> (o + 1)) & 1u;
-  const uint32_t hi = lo + has_lo;  // entry indices, meaningful where has_lo / has_hi
-  // Selector nibbles 2i, 2i + 1 pick entry i's bytes out of (v.x, v.y).
-  const uint32_t dense = __byte_perm(v.x, v.y, (lo * 0x22u + 0x10u) | (hi * 0x22u + 0x10u) << 8);
-  return dense & ((has_lo ? 0xffffu : 0u) | (has_hi ? 0xffff0000u : 0u));
-}
-
-// Builds the 16 dense pairs a thread owns for one step, its A fragments: rows `row` and row + 8 of
-// the stage's packed tile, K positions 16s + 8h + 2q and + 1 for s < 4, h < 2.
-template <int kN, int kM, int kRows>
-__device__ __forceinline__ void expand_step(const uint8_t* stage, int64_t t, int row, const uint16_t* table, int q,
-                                            WeightFragments& f) {
-  using F = Family<kN, kM>;
-  using L = Layout<kN, kM, kRows>;
-  const int first_bit = F::first_bit(t);
-  // M = 4 has two groups per 8-position half: the thread's one depends on q.
-  const int qgroup = kM == 4 ? q >> 1 : 0;
-  const int pair_in_group = kM == 4 ? (q & 1) : q;  // + 4h for M = 16
-#pragma unroll
-  for (int half_row = 0; half_row < 2; ++half_row) {
-    const int r = row + 8 * half_row;
-    const uint8_t* values = stage + L::kX + r * F::kValueBytes + qgroup * kN * 2;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + L::kX + L::kValues) + r * F::kIndexWords;
-    uint32_t raw[F::kIndexWords], norm[F::kOffsetWords];
-#pragma unroll
-    for (int i = 0; i < F::kIndexWords; ++i) raw[i] = words[i];
-#pragma unroll
-    for (int i = 0; i < F::kOffsetWords; ++i) norm[i] = __funnelshift_r(raw[i], raw[i + 1], first_bit);
-#pragma unroll
-    for (int s = 0; s < kBK / 16; ++s)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int g = (16 * s + 8 * h) / kM;  // the half's first group (+ qgroup for M = 4)
-        const int pair = pair_in_group + (kM == 16 ? 4 * h : 0);
-        const uint32_t code = offset_bits(norm, g * F::kGroupBits, F::kGroupBits, qgroup * F::kGroupBits);
-        uint32_t dense;
-        if constexpr (F::kTable) {
-          dense = __byte_perm(group_values<kN>(values + g * kN * 2), 0u, table[code * (kM / 2) + pair]);
-        } else if constexpr (kN == 4) {
-          dense = mask_pair<kM>(values + g * kN * 2, code, 2 * pair);
-        } else {
-          dense = compare_pair<kN, kM>(values + g * kN * 2, code, 2 * pair);
-        }
-        f.a[s][half_row + 2 * h] = dense;
-      }
-  }
-  sm90::fence_operands(f.a);
-}
 
 template <typename T, int kN, int kM, int kRows>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using F = Family<kN, kM>;
   using L = Layout<kN, kM, kRows>;
   constexpr int S = L::kStages;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
-  uint16_t* table = reinterpret_cast<uint16_t*>(smem + L::kTableOffset);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, wg = warp >> 2;
+  const int lane = threadIdx.x & 31, q = lane & 3, wg = threadIdx.x >> 7;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   int begin, end;  // this block's steps
   sm90::split_steps<1>(p.groups * kM, begin, end);
   const int steps = end - begin;
-  // This thread's rows: A-fragment rows g and g + 8 of its warp's 16.
-  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+  // This thread's accumulator rows: g and g + 8 of its warp's 16.
+  const int row = wg * 64 + ((threadIdx.x >> 5) & 3) * 16 + (lane >> 2);
   auto stage_of = [&](int i) { return smem + (i % S) * L::kStage; };  // step begin + i
+  const uint32_t tiles = sm90::smem_addr(smem + L::kAOffset);
+  auto tile_of = [&](int i) { return tiles + static_cast<uint32_t>((i % L::kBuffers) * L::kA); };
 
   const StepLoader<T, kN, kM, kRows> loader(p, w0, r0);
+  const Scatter<kN, kM> scatter;
 
   float acc[kRows / 2];
 #pragma unroll
   for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
   sm90::fence_operands(acc);
-  if constexpr (F::kTable) fill_selectors<kN, kM>(table);
+  scatter.zero(tile_of(0));
+  scatter.zero(tile_of(1));
 
 #pragma unroll
   for (int i = 0; i < S - 2; ++i) {
@@ -235,32 +173,29 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
     sm90::cp_async_commit();
   }
   sm90::cp_async_wait<S - 3>();  // step 0 has landed (this thread's copies) ...
-  __syncthreads();               // ... everyone's, and the selector table is written
-  WeightFragments f0, f1;        // two sets: step i's MMAs read one while step i + 1's is built
-  if (steps > 0) expand_step<kN, kM, kRows>(stage_of(0), begin, row, table, q, f0);
+  __syncthreads();               // ... everyone's, and the first two dense tiles are zero
+  if (steps > 0) scatter.write(stage_of(0) + L::kX, begin, tile_of(0));
 
-  auto step = [&](int i, const WeightFragments& f, WeightFragments& next) {
-    // Steps i (for the MMAs) and i + 1 (for the expansion) have landed; step i - 2's MMAs retired
-    // in the previous iteration, so its stage can be refilled.
+  for (int i = 0; i < steps; ++i) {
+    // Steps i (for the MMAs) and i + 1 (for the scatter) have landed; step i - 2's MMAs retired in
+    // the previous iteration, so its stage can be refilled; step i's dense tile is written.
     sm90::cp_async_wait<S - 4>();
     sm90::fence_async_proxy();
     __syncthreads();
     if (i + S - 2 < steps) loader.load(p, stage_of(i + S - 2), begin + i + S - 2);
     sm90::cp_async_commit();
 
-    const uint32_t xs = sm90::smem_addr(stage_of(i));
+    const uint32_t xs = sm90::smem_addr(stage_of(i)), as = tile_of(i) + wg * 64 * 128;
     sm90::fence_operands(acc);
     sm90::wgmma_fence();
 #pragma unroll
-    for (int s = 0; s < kBK / 16; ++s) sm90::wgmma_rs<kRows, kBf16>(acc, f.a[s], sm90::sw128_desc(xs + s * 32));
+    for (int s = 0; s < kBK / 16; ++s)
+      sm90::wgmma_ss<kRows, kBf16>(acc, sm90::sw128_desc(as + s * 32), sm90::sw128_desc(xs + s * 32));
     sm90::wgmma_commit();
     sm90::fence_operands(acc);
-    sm90::wgmma_wait<1>();  // step i - 1's MMAs have retired: its fragments are free for step i + 1
-    if (i + 1 < steps) expand_step<kN, kM, kRows>(stage_of(i + 1), begin + i + 1, row, table, q, next);
-  };
-  for (int i = 0; i < steps; i += 2) {  // two at a time, so that each set stays in fixed registers
-    step(i, f0, f1);
-    if (i + 1 < steps) step(i + 1, f1, f0);
+    sm90::wgmma_wait<1>();  // step i - 1's MMAs have retired: their dense tile is free to zero
+    if (i + 2 < steps) scatter.zero(tile_of(i + 2));
+    if (i + 1 < steps) scatter.write(stage_of(i + 1) + L::kX, begin + i + 1, tile_of(i + 1));
   }
   sm90::wgmma_wait<0>();
   sm90::fence_operands(acc);

@@ -146,7 +146,27 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
     if constexpr (kBf16) N256("bf16"); else N256("f16"); \
   }
 
-// One wgmma.mma_async with A from registers (the wrappers below): TYPES the A.B type pair, REGS the
+// One wgmma.mma_async with both operands in shared memory (descriptors above): A a K-major
+// [64 x 16] tile, B the activations.
+#define NMCLI_WGMMA_SS(SHAPE, TYPE, REGS, DESCS, ...) \
+  asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" REGS "}, " DESCS ", 1, 1, 1, 0, 0;" \
+               : __VA_ARGS__ : "l"(a_desc), "l"(b_desc))
+#define NMCLI_WGMMA_SS_M64N64K16(TYPE) \
+  NMCLI_WGMMA_SS("m64n64k16", TYPE, NMCLI_WGMMA_REGS_0_31, "%32, %33", NMCLI_WGMMA_ACC32(0))
+#define NMCLI_WGMMA_SS_M64N128K16(TYPE) \
+  NMCLI_WGMMA_SS("m64n128k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "%64, %65", \
+                 NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32))
+#define NMCLI_WGMMA_SS_M64N256K16(TYPE) \
+  NMCLI_WGMMA_SS("m64n256k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63 ", " NMCLI_WGMMA_REGS_64_127, \
+                 "%128, %129", NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32), NMCLI_WGMMA_ACC32(64), \
+                 NMCLI_WGMMA_ACC32(96))
+
+template <int kWidth, bool kBf16>
+__device__ __forceinline__ void wgmma_ss(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc) {
+  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SS_M64N64K16, NMCLI_WGMMA_SS_M64N128K16, NMCLI_WGMMA_SS_M64N256K16)
+}
+
+// One wgmma.mma_async with A from registers (the TF32 wrapper below): TYPES the A.B type pair, REGS the
 // accumulator placeholder list, OPERANDS A's four register placeholders and B's descriptor
 // placeholder, IMMEDIATES what follows them (TF32 MMAs take no transpose operand). `a` holds per
 // warp the mma.m16n8 A fragment of its 16 rows (a[0] row g, a[1] row g + 8, a[2] and a[3] the same
@@ -155,23 +175,6 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
 #define NMCLI_WGMMA_RS(SHAPE, TYPES, IMMEDIATES, REGS, OPERANDS, ...) \
   asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPES " {" REGS "}, " OPERANDS ", " IMMEDIATES ";" \
                : __VA_ARGS__ : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc))
-
-// K = 16 of fp16/bf16: each register two 16-bit values, columns 2 (lane % 4) and + 1 (+ 8).
-#define NMCLI_WGMMA_RS16(SHAPE, TYPE, ...) NMCLI_WGMMA_RS(SHAPE, TYPE "." TYPE, "1, 1, 1, 0", __VA_ARGS__)
-#define NMCLI_WGMMA_RS_M64N64K16(TYPE) \
-  NMCLI_WGMMA_RS16("m64n64k16", TYPE, NMCLI_WGMMA_REGS_0_31, "{%32, %33, %34, %35}, %36", NMCLI_WGMMA_ACC32(0))
-#define NMCLI_WGMMA_RS_M64N128K16(TYPE) \
-  NMCLI_WGMMA_RS16("m64n128k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "{%64, %65, %66, %67}, %68", \
-                   NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32))
-#define NMCLI_WGMMA_RS_M64N256K16(TYPE) \
-  NMCLI_WGMMA_RS16("m64n256k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63 ", " NMCLI_WGMMA_REGS_64_127, \
-                   "{%128, %129, %130, %131}, %132", NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32), NMCLI_WGMMA_ACC32(64), \
-                   NMCLI_WGMMA_ACC32(96))
-
-template <int kWidth, bool kBf16>
-__device__ __forceinline__ void wgmma_rs(float (&d)[kWidth / 2], const uint32_t (&a)[4], uint64_t b_desc) {
-  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_RS_M64N64K16, NMCLI_WGMMA_RS_M64N128K16, NMCLI_WGMMA_RS_M64N256K16)
-}
 
 // D[64 x N] += A[64 x 8] * B[8 x N] on TF32 (fp32 values; the instruction reads their upper 19
 // bits). B: a K-major tile of 32 fp32 (128 B) per row in shared memory with the 128-byte swizzle
