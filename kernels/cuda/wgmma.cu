@@ -119,7 +119,8 @@ struct Scatter {
   }
 
   // Writes this thread's stored entries of step t (the step's packed tile at `packed`) to their
-  // dense positions in the zeroed tile at `tile`.
+  // dense positions in the zeroed tile at `tile`. A group's offsets are distinct (docs/FORMAT.md),
+  // so its entries never meet; padding entries (value 0, offset 0) meet only each other.
   __device__ __forceinline__ void write(const uint8_t* packed, int64_t t, uint32_t tile) const {
     const int bit = F::first_bit(t) + pair * 2 * F::kBits;
     const int word = bit >> 5, shift = bit & 31, next = min(word + 1, F::kIndexWords - 1);
