@@ -22,10 +22,11 @@
 // (ncu at 4096^3 4:16: 169M warp instructions, issue slots busy 43% with 2 warps a scheduler).
 // The scatter touches each stored entry once instead of each dense pair: 110M instructions, and
 // 1.16-1.60x on 4:16 and 4:8 on the LLaMA shapes (BENCHMARKS.md, session 29). It still runs
-// 0.34-0.92x cuBLAS fp16, with the tensor pipe active 41% of the time at 4096^3: the activation
-// tile by cp.async is the limit left (loading later in the step, or 128-row tiles that need more
-// bytes per MMA, ran 0.7-0.9x), where the sparse kernel's tensor copies from a producer warp
-// (wgmma_sp.cu) move about 2.3x the bytes per second into each SM.
+// 0.40-0.92x cuBLAS fp16 there, with the tensor pipe active 41% of the time at 4096^3. The
+// activation tile by cp.async is the likely limit left: issuing the copies later in the step ran
+// 0.87-0.89x, 128-row tiles (more bytes per MMA) 0.61-0.62x, and by our count the sparse kernel's
+// tensor copies from a producer warp (wgmma_sp.cu) move about 1.4x the bytes per second into each
+// SM (2:8 at 4096^3).
 // Used for N in {1, 2, 4, 8}, M in {4, 8, 16}, M <= 8N (a step holds whole 16-byte runs of
 // values), K % 8 == 0 (16-byte activation copies). Other calls take the mma path.
 #include <algorithm>
