@@ -172,13 +172,14 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(64, 1, 4, 4096, 1024, "float16") == "mma"  # 8 blocks
     assert _kernels.cuda_path(256, 2, 8, 1024, 1024, "float16") == sp  # 32 blocks
     # The expanding warpgroup (wgmma) path for the other families on compute capability 9.0:
-    # from 17 rows with 32 weight tiles (Nout >= 3969), else from 128 rows with 48 blocks.
+    # from 17 rows with 16 weight tiles (Nout >= 1921), else from 128 rows with 16 blocks.
     assert _kernels.cuda_path(4096, 4, 16, 4096, 4096, "bfloat16") == ("wgmma" if sm90 else "mma")
     assert _kernels.cuda_path(17, 4, 8, 4096, 4096, "float16") == ("wgmma" if sm90 else "mma")
-    assert _kernels.cuda_path(17, 4, 16, 4096, 3968, "float16") == "mma"  # 31 weight tiles
-    assert _kernels.cuda_path(127, 4, 8, 4096, 3072, "float16") == "mma"  # 24 weight tiles
-    assert _kernels.cuda_path(128, 4, 8, 4096, 3072, "float16") == ("wgmma" if sm90 else "mma")  # 24 x 2 blocks
-    assert _kernels.cuda_path(256, 4, 16, 1024, 1024, "float16") == "mma"  # 32 wgmma blocks: too few
+    assert _kernels.cuda_path(17, 4, 16, 4096, 2048, "float16") == ("wgmma" if sm90 else "mma")  # 16 weight tiles
+    assert _kernels.cuda_path(17, 4, 16, 4096, 1920, "float16") == "mma"  # 15 weight tiles
+    assert _kernels.cuda_path(127, 4, 8, 4096, 1024, "float16") == "mma"  # 8 weight tiles
+    assert _kernels.cuda_path(128, 4, 8, 4096, 1024, "float16") == ("wgmma" if sm90 else "mma")  # 8 x 2 blocks
+    assert _kernels.cuda_path(128, 4, 16, 1024, 512, "float16") == "mma"  # 4 x 2 wgmma blocks: too few
     assert _kernels.cuda_path(4096, 2, 8, 4100, 4096, "float16") == "mma"  # K % 8 != 0: no 16-byte copies
     # fp32 element-wise: the 3xTF32 warpgroup kernel from 9 rows, for M a power of two up to 32
     # and N/M <= 1/2, K % 4 == 0.

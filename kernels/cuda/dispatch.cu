@@ -12,14 +12,15 @@
 //    (1.20-1.53x). At 9..16 rows 2:8, 1:8 and 1:4 keep the rule below (at 16 rows decode or
 //    mma were ahead of or level with wgmma_sp on 3 of 5 LLaMA shapes for 2:8 and 4 of 5 for
 //    1:8; at 12 rows mma was ahead for 1:4 on 3 of 5).
-//  * From 128 rows, the families the expanding warpgroup kernel (wgmma.cu) compiles when its
-//    grid has at least 48 blocks: 1.1-3.3x the mma path there, while at 64 rows the mma path's
-//    split-K wins on 3 of 5 LLaMA shapes (and narrow outputs at a few hundred rows leave most
-//    SMs idle: 256 x 1024 x 1024 and 256 x 4096 x 1024 ran 0.5-0.7x the mma path with 32 blocks).
-//    From 17 rows where Nout gives at least 32 weight tiles (Nout > 3968): session 28's kernel
-//    (A from registers, K split over a cluster, mask_pair) ran 1.04-3.03x the mma path at 17, 32,
-//    64 and 100 rows on the five LLaMA shapes for 4:16 and 4:8 (`nmcli bench kernels --path
-//    mma|wgmma`). Narrower outputs keep the rule above (not measured again).
+//  * The families the expanding warpgroup kernel (wgmma.cu) compiles: from 17 rows where Nout
+//    gives at least 16 weight tiles (Nout > 1920), else from 128 rows when its grid of 64-row
+//    tiles has at least 16 blocks. Session 30 (the kernel fed by a producer warp, `nmcli bench
+//    kernels --shapes nmsparse --path mma|wgmma` at 17, 64, 128, 256 and 512 rows, 4:16, 4:8 and
+//    2:16): with 16 or more weight tiles wgmma ran 1.11-2.27x the mma path at 17-64 rows (more
+//    with more tiles); with 8 (Nout = 1024) 0.77-0.97x at 17-64 rows but 1.04-1.48x at 128 rows
+//    (16 blocks) and 2.15-3.90x at 256-512. Grids under 16 blocks were not measured and keep the
+//    mma path. (Until session 30: 32 weight tiles and 48 blocks, from session 5's and session
+//    28's kernels.)
 //  * From 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K
 //    over a cluster keeps small row counts fast), except at 9..16 rows for N/M <= 1/4 when the
 //    decode kernel stages the whole K at once (session 8, --path decode|mma at 12 and 16 rows:

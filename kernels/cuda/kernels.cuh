@@ -33,8 +33,8 @@ struct DecodeParamsT : PathParams<T> {
 constexpr int64_t kDecodeMaxRows = 16;  // the decode path handles 1..16 activation rows
 constexpr int64_t kDecodeMmaCrossover = 8;  // ... and is faster than the mma path up to 8
 constexpr int64_t kWgmmaCrossover = 128;    // the wgmma path from this many rows (sm_90) ...
-constexpr int64_t kWgmmaMinBlocks = 48;     // ... when its grid of smallest tiles has this many blocks,
-constexpr int64_t kWgmmaWideTiles = 32;     // and from 17 rows with this many weight tiles
+constexpr int64_t kWgmmaMinBlocks = 16;     // ... when its grid of smallest tiles has this many blocks,
+constexpr int64_t kWgmmaWideTiles = 16;     // and from 17 rows with this many weight tiles
 constexpr int64_t kWgmmaSpMinBlocks = 16;   // the sparse one from 17 rows (9 for 2:4) with this many
 constexpr int64_t kWgmmaWeightTile = 128;   // weight rows per wgmma block
 constexpr int64_t kWgmmaMinRowTile = 64;    // its smallest activation tile

@@ -6,73 +6,92 @@
 //  * A = the weight tile, rebuilt dense for each step by scattering the stored entries: the tile is
 //    zeroed, then each stored value is written to its dense position (one shift, one LOP3 and one
 //    16-bit store per entry);
-//  * B = the activations, copied with cp.async, zero-filled past the last row and past K;
+//  * B = the activations;
 //  * fp32 accumulators in registers; alpha and bias applied on the way out.
-// A block has two warpgroups (128 weight rows, 64 each) and one activation tile of 64, 128 or
-// 256 rows. The packed weight tile (values and offset words) and the activation tile of each
-// step land in a ring of shared-memory stages, kStages - 2 steps ahead of the MMAs; a stage is
-// refilled only after the MMAs that read it have retired. The dense weight tiles rotate through
-// three buffers: step i's MMAs read one, step i + 1 is scattered into the next (zeroed during step
-// i - 1, so the block barrier at the top of step i orders the zeros before the values), and the
-// one step i - 1's MMAs read is zeroed. Calls with few tiles split K over a cluster
-// (sm90::launch_split, reduce_split).
-// Until session 29 each thread gathered its A fragments in registers: for every pair of dense
-// positions it looked up which stored entries land there (a selector table for N <= 2, a popcount
-// over the group's offset mask for N = 4, comparisons for N = 8), ~40 instructions a pair
-// (ncu at 4096^3 4:16: 169M warp instructions, issue slots busy 43% with 2 warps a scheduler).
-// The scatter touches each stored entry once instead of each dense pair: 110M instructions, and
-// 1.16-1.60x on 4:16 and 4:8 on the LLaMA shapes (BENCHMARKS.md, session 29). It still runs
-// 0.40-0.92x cuBLAS fp16 there, with the tensor pipe active 41% of the time at 4096^3. The
-// activation tile by cp.async is the likely limit left: issuing the copies later in the step ran
-// 0.87-0.89x, 128-row tiles (more bytes per MMA) 0.61-0.62x, and by our count the sparse kernel's
-// tensor copies from a producer warp (wgmma_sp.cu) move about 1.4x the bytes per second into each
-// SM (2:8 at 4096^3).
+// A block computes 128 weight rows x 64, 128 or 256 activation rows with three roles, each waiting
+// only on shared-memory barriers (wgmma_sp.cu's regrouping kernel has the same structure):
+//  * the last warp copies each step into a ring of stages (wgmma_feed.cuh): the activation tile,
+//    the packed values and (where their rows are 16-byte aligned) the offset words by tensor copy
+//    (TMA, zero-filled past every edge), else the offset words with cp.async; "full" barrier;
+//  * the expanding warps before it zero a dense tile of a ring of three once the MMAs are done with
+//    it ("freed"), then scatter the step's entries into it ("ready");
+//  * warps 0-7, two warpgroups of 64 weight rows, issue the MMAs of a step, keep them in flight
+//    while the next step's go out, then hand back the older step's stage ("empty") and dense tile.
+// Calls with few tiles split K over a cluster (sm90::launch_split, reduce_split).
+// Until session 29 each thread gathered its A fragments in registers: ~40 instructions per pair of
+// dense positions (ncu at 4096^3 4:16: 169M warp instructions). The scatter (session 29) touches
+// each stored entry once, but every thread still copied, expanded and multiplied in turn with a
+// block barrier per step (tensor pipe active 41%). With the three roles (session 30): 1.26-1.46x
+// that kernel on 4:16, 1.11-1.35x on 4:8, 1.24-1.59x on 8:16, 1.30-1.72x on 2:16 (LLaMA shapes,
+// 17-4096 rows), 0.48-1.48x cuBLAS fp16 (BENCHMARKS.md). Two things mattered besides the roles:
+// the scatter issues all its shared-memory loads before its first store (the stores are ordered
+// after earlier memory accesses, so interleaved loads waited out their latency pair by pair:
+// 1.20-1.40x at 4096^3), and the offset words by tensor copy instead of 4-byte cp.async (about 300
+// shared-memory wavefronts a step at 8:16 by ncu; 1.21-1.44x on 8:16 at 17 rows). The block's
+// shared memory is the likely limit now: before the tensor-copied offset words, ncu counted the
+// LSU's shared wavefronts 66% busy at 8:16 4096^3 (zeros, scatter, its loads, copies) on top of
+// the MMAs' operand reads, with the tensor pipe active 46%.
 // Used for N in {1, 2, 4, 8}, M in {4, 8, 16}, M <= 8N (a step holds whole 16-byte runs of
-// values), K % 8 == 0 (16-byte activation copies). Other calls take the mma path.
+// values), K % 8 == 0 (16-byte activation rows for the tensor copies). Other calls take the mma
+// path.
 #include <algorithm>
 #include <type_traits>
 
-#include "wgmma_packed.cuh"
+#include "wgmma_feed.cuh"
 
 namespace nmcli {
 namespace {
 
 using sm90::kBK;
+using sm90::kProducerThreads;
 using sm90::kThreads;
 using sm90::kTileW;
 
+// Threads that expand the weight tiles: a warpgroup, or two warps with the 256-row tile, whose
+// MMAs need 168 registers a thread (256 + 64 + 32 threads leave them 184, 416 only 152).
+template <int kRows>
+constexpr int kExpandThreads = kRows == 256 ? 64 : 128;
+
+// Offset words copied per weight row and step: those holding the step's offsets, from the
+// 16-byte boundary at or before the first (a tensor copy's box starts on one); a multiple of 4.
+template <typename F>
+constexpr int box_words() {
+  int most = 0;
+  for (int t = 0; t < 128; ++t) {  // the words' pattern repeats within 128 steps
+    const int bit = t * F::kEntries * F::kBits;
+    const int span = (bit >> 5) % 4 + ((bit & 31) + F::kEntries * F::kBits + 31) / 32;
+    most = std::max(most, span);
+  }
+  return (most + 3) / 4 * 4;
+}
+
+// Shared memory: a ring of kStages steps, each the activation tile [kRows x 64] (128-byte swizzle),
+// the packed values (kTileW rows of F::kValueBytes) and the offset words (kTileW rows of
+// kBoxWords); then the ring of kDense dense weight tiles [128 x 64] (128-byte swizzle); then the
+// barriers: "full" and "empty" per stage, "ready" and "freed" per dense tile.
 template <int kN, int kM, int kRows>
 struct Layout {
   using F = sm90::Family<kN, kM>;
-  static constexpr size_t kX = static_cast<size_t>(kRows) * 128;  // activation tile per stage
-  static constexpr size_t kStage = (kX + F::kTileBytes + 1023) / 1024 * 1024;  // + the packed tile
-  static constexpr size_t kA = static_cast<size_t>(kTileW) * 128;  // a dense weight tile
-  static constexpr int kBuffers = 3;
-  // As many stages as fit, up to 8: the ring runs kStages - 2 steps ahead of the MMAs.
-  static constexpr int kStages = std::min<int>(8, static_cast<int>((225 * 1024 - kBuffers * kA) / kStage));
-  static constexpr size_t kAOffset = kStages * kStage;  // then the dense weight tiles
-  static_assert(kStages >= 4, "the ring runs kStages - 2 steps ahead, at least 2");
-  static_assert(kThreads * kRows / 2 * 4 <= kAOffset, "reduce_split's scratch fits in the ring");
-  static constexpr size_t kBytes = kAOffset + kBuffers * kA + 1024;  // + slack to align
+  static constexpr int kBoxWords = box_words<F>();
+  static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
+  static constexpr size_t kWords = kX + F::kValues;  // the offset words in a stage
+  static constexpr uint32_t kWordBytes = kTileW * kBoxWords * 4;
+  static constexpr size_t kStage = (kWords + kWordBytes + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
+  static constexpr size_t kA = static_cast<size_t>(kTileW) * 128;
+  static constexpr int kDense = 3;  // one in the MMAs, one retiring, one being written
+  static constexpr int kStages = std::min<int>(8, static_cast<int>((220 * 1024 - kDense * kA) / kStage));
+  static constexpr size_t kDenseAt = kStages * kStage;
+  static constexpr size_t kBarriers = kDenseAt + kDense * kA;
+  static constexpr size_t kBytes = kBarriers + 2 * (kStages + kDense) * 8 + 1024;  // + slack to align the ring
+  static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // + kWordBytes by tensor copy
+  static_assert(kStages >= 3, "the copies run at least one step ahead of the two steps in the MMAs");
+  static_assert(kThreads * kRows / 2 * 4 <= kDenseAt, "reduce_split's scratch fits in the ring");
 };
 
-// Copies a step's activation tile and packed weight tile into its stage.
-template <typename T, int kN, int kM, int kRows>
-struct StepLoader {
-  using L = Layout<kN, kM, kRows>;
-  sm90::ActivationLoader<T, kRows> x;
-  sm90::PackedLoader<T, sm90::Family<kN, kM>> w;
-
-  __device__ __forceinline__ StepLoader(const PathParams<T>& p, int64_t w0, int64_t r0) : x(p, r0), w(p, w0) {}
-
-  __device__ __forceinline__ void load(const PathParams<T>& p, uint8_t* stage, int64_t t) const {
-    const uint32_t base = sm90::smem_addr(stage);
-    x.load(p, base, t);
-    w.load(p, base + static_cast<uint32_t>(L::kX), t);
-  }
-};
-
-__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
+__device__ __forceinline__ void st_shared_zero(uint32_t addr, std::integral_constant<int, 8>) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %1};" ::"r"(addr), "r"(0u) : "memory");
+}
+__device__ __forceinline__ void st_shared_zero(uint32_t addr, std::integral_constant<int, 16>) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0u) : "memory");
 }
 // The low 16 bits of `value`.
@@ -80,27 +99,35 @@ __device__ __forceinline__ void st_shared_u16(uint32_t addr, uint32_t value) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(static_cast<uint16_t>(value)) : "memory");
 }
 
-// A thread's share of rebuilding its warpgroup's 64 rows of a step's dense weight tile: pairs of
-// consecutive stored entries (one 32-bit word of values), the same pair of rows first_row,
-// first_row + kRowStep, ... (a warp's lanes cover whole rows, so a load of values is one
-// contiguous run and the stores of a warp land in few rows).
-template <int kN, int kM>
+// Expanding thread `worker`'s share (of kWorkers) of rebuilding a step's dense weight tile: pairs
+// of consecutive stored entries (one 32-bit word of values), the same pair of rows first_row,
+// first_row + kRowStep, ... A warp's lanes cover kWarpRows whole consecutive rows at a time, so a
+// load of values is one contiguous run, and a warp zeroes exactly the rows it then writes: only
+// __syncwarp between the zeros and the values.
+template <int kN, int kM, int kWorkers>
 struct Scatter {
   using F = sm90::Family<kN, kM>;
-  static constexpr int kPairs = F::kEntries / 2;  // pairs per row per step
-  static constexpr int kRowStep = 128 / kPairs;   // rows between this thread's pairs
-  static constexpr int kCount = 64 / kRowStep;    // pairs per thread per step
-  static_assert(kRowStep % 8 == 0, "a thread's rows share their swizzle phase");
+  static constexpr int kBoxWords = box_words<F>();
+  static constexpr int kPairs = F::kEntries / 2;  // pairs per row per step: 4, 8 or 16
+  static constexpr int kRowStep = kWorkers / kPairs;
+  static constexpr int kCount = kTileW / kRowStep;  // pairs per thread per step
+  static constexpr int kWarpRows = 32 / kPairs;
+  static constexpr int kZeroBytes = kWarpRows * 128 / 32;  // per lane and row block
+  static constexpr int kZeroSlice = kZeroBytes < 16 ? kZeroBytes : 16;  // per store
+  static_assert(kWorkers % 32 == 0 && 32 % kPairs == 0 && kTileW % kRowStep == 0, "whole rows per warp and thread");
+  // first_row < kRowStep, a power of 2: row first_row + j * kRowStep's swizzle phase (row % 8) is
+  // first_row's XOR (j * kRowStep) % 8, known at compile time.
+  static_assert((kRowStep & (kRowStep - 1)) == 0, "rows a power of 2 apart");
 
-  int first_row;       // in the block's tile
-  int pair;            // in the row
-  uint32_t key[2];     // per entry of the pair: first_row's byte offset in a dense tile, XOR the
-                       // swizzled offset of its group's first position
+  int first_row;     // in the block's tile
+  int pair;          // in the row
+  uint32_t key[2];   // per entry of the pair: first_row's byte offset in a dense tile, XOR the
+                     // swizzled offset of its group's first position
+  uint32_t zero_at;  // this lane's first bytes to zero
 
-  __device__ __forceinline__ Scatter() {
-    const int tid = threadIdx.x & 127;
-    first_row = (threadIdx.x >> 7) * 64 + tid / kPairs;
-    pair = tid % kPairs;
+  __device__ __forceinline__ explicit Scatter(int worker) {
+    first_row = worker / kPairs;
+    pair = worker % kPairs;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int group = (2 * pair + e) / kN;
@@ -109,102 +136,217 @@ struct Scatter {
       const uint32_t swizzled = static_cast<uint32_t>((first_row & 7) * 16) ^ (2u * group * kM);
       key[e] = static_cast<uint32_t>(first_row * 128) | swizzled;
     }
+    zero_at = static_cast<uint32_t>((worker / 32) * kWarpRows * 128 + (worker % 32) * kZeroSlice);
   }
 
-  // Zeroes this thread's 64 bytes of its warpgroup's half of the dense tile at `tile` (consecutive
-  // lanes, consecutive 16-byte chunks: no bank conflicts).
+  // Zeroes the rows this thread's warp writes in the dense tile at `tile`: per row block, 16 bytes
+  // a lane in runs of 512 (no bank conflicts), 8 where a block is 256 bytes.
   __device__ __forceinline__ void zero(uint32_t tile) const {
-    const uint32_t base = tile + (threadIdx.x >> 7) * 64 * 128 + (threadIdx.x & 127) * 16;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) st_shared_zero16(base + j * 128 * 16);
+    for (int j = 0; j < kCount; ++j)
+#pragma unroll
+      for (int c = 0; c < kZeroBytes / kZeroSlice; ++c)
+        st_shared_zero(tile + zero_at + j * kRowStep * 128 + c * 32 * kZeroSlice,
+                       std::integral_constant<int, kZeroSlice>{});
   }
 
   // Writes this thread's stored entries of step t (the step's packed tile at `packed`) to their
   // dense positions in the zeroed tile at `tile`. A group's offsets are distinct (docs/FORMAT.md),
-  // so its entries never meet; padding entries (value 0, offset 0) meet only each other.
+  // so its entries never meet; padding entries (value 0, offset 0) meet only each other. Every
+  // load is issued before the first store: the stores are ordered after earlier memory accesses,
+  // so a load per pair between them would wait out the shared-memory latency pair by pair.
   __device__ __forceinline__ void write(const uint8_t* packed, int64_t t, uint32_t tile) const {
     const int bit = F::first_bit(t) + pair * 2 * F::kBits;
-    const int word = bit >> 5, shift = bit & 31, next = min(word + 1, F::kIndexWords - 1);
+    const int word = static_cast<int>(F::first_word(t) & 3) + (bit >> 5), shift = bit & 31;
+    const int next = min(word + 1, kBoxWords - 1);
+    uint32_t offsets[kCount], values[kCount];
+#pragma unroll
+    for (int j = 0; j < kCount; ++j) {
+      const int r = first_row + j * kRowStep;
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(packed + F::kValues) + r * kBoxWords;
+      offsets[j] = __funnelshift_r(words[word], words[next], shift);  // the pair's from bit 0
+      values[j] = *reinterpret_cast<const uint32_t*>(packed + r * F::kValueBytes + pair * 4);
+    }
     const uint32_t key0 = tile + key[0], key1 = tile + key[1];
     constexpr uint32_t kMask = 2 * kM - 2;
 #pragma unroll
     for (int j = 0; j < kCount; ++j) {
-      const int r = first_row + j * kRowStep;
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(packed + F::kValues) + r * F::kIndexWords;
-      const uint32_t offsets = __funnelshift_r(words[word], words[next], shift);  // the pair's from bit 0
-      const uint32_t values = *reinterpret_cast<const uint32_t*>(packed + r * F::kValueBytes + pair * 4);
+      const uint32_t phase = static_cast<uint32_t>((j * kRowStep) % 8 * 16);  // a constant once unrolled
       const uint32_t rows = j * kRowStep * 128;  // the row's bytes past first_row's
-      st_shared_u16((key0 ^ ((offsets << 1) & kMask)) + rows, values);
-      st_shared_u16((key1 ^ ((offsets >> (F::kBits - 1)) & kMask)) + rows, values >> 16);
+      st_shared_u16((key0 ^ phase ^ ((offsets[j] << 1) & kMask)) + rows, values[j]);
+      st_shared_u16((key1 ^ phase ^ ((offsets[j] >> (F::kBits - 1)) & kMask)) + rows, values[j] >> 16);
     }
   }
 };
 
-template <typename T, int kN, int kM, int kRows>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(PathParams<T> p) {
+// Issues a consumer warpgroup's MMAs of one step (its 64 rows of the dense tile at `dense`, the
+// activation tile at `x`) as one commit group.
+template <int kRows, bool kBf16>
+__device__ __forceinline__ void issue_step(float (&acc)[kRows / 2], uint32_t dense, uint32_t x) {
+  sm90::fence_operands(acc);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kBK / 16; ++k)
+    sm90::wgmma_ss<kRows, kBf16>(acc, sm90::sw128_desc(dense + k * 32), sm90::sw128_desc(x + k * 32));
+  sm90::wgmma_commit();
+  sm90::fence_operands(acc);
+}
+
+// A position in a ring of kSize slots and the parity of its current pass.
+template <int kSize>
+struct RingSlot {
+  int slot = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++slot == kSize) slot = 0, phase ^= 1;
+  }
+};
+
+// kEarly: launched as a programmatic dependent (grids of one wave, sm90::launch_early_or_not), as
+// the sparse kernels are: the producer copies its first weight tiles before it waits for the
+// previous kernel.
+template <typename T, int kN, int kM, int kRows, bool kEarly>
+__global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerThreads, 1)
+    wgmma_kernel(PathParams<T> p, const __grid_constant__ sm90::TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<kN, kM, kRows>;
-  constexpr int S = L::kStages;
+  using F = typename L::F;
+  constexpr int S = L::kStages, D = L::kDense, kExpanders = kExpandThreads<kRows>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
-  const int lane = threadIdx.x & 31, q = lane & 3, wg = threadIdx.x >> 7;
+  const uint32_t ring = sm90::smem_addr(smem);
+  auto stage_at = [&](int s) { return ring + static_cast<uint32_t>(s * L::kStage); };
+  auto dense_at = [&](int d) { return ring + static_cast<uint32_t>(L::kDenseAt + d * L::kA); };
+  auto full = [&](int s) { return ring + static_cast<uint32_t>(L::kBarriers) + s * 8; };  // copies landed
+  auto empty = [&](int s) { return full(S) + s * 8; };                                     // multiplied
+  auto ready = [&](int d) { return empty(S) + d * 8; };                                    // expanded
+  auto freed = [&](int d) { return ready(D) + d * 8; };                                    // multiplied
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const bool consumer = warp < kThreads / 32;
+  const bool producer = warp == (kThreads + kExpanders) / 32;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   int begin, end;  // this block's steps
   sm90::split_steps<1>(p.groups * kM, begin, end);
-  const int steps = end - begin;
-  // This thread's accumulator rows: g and g + 8 of its warp's 16.
-  const int row = wg * 64 + ((threadIdx.x >> 5) & 3) * 16 + (lane >> 2);
-  auto stage_of = [&](int i) { return smem + (i % S) * L::kStage; };  // step begin + i
-  const uint32_t tiles = sm90::smem_addr(smem + L::kAOffset);
-  auto tile_of = [&](int i) { return tiles + static_cast<uint32_t>((i % L::kBuffers) * L::kA); };
+  const bool tensor_offsets = sm90::offset_rows_aligned(p);
 
-  const StepLoader<T, kN, kM, kRows> loader(p, w0, r0);
-  const Scatter<kN, kM> scatter;
-
-  float acc[kRows / 2];
-#pragma unroll
-  for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
-  sm90::fence_operands(acc);
-  scatter.zero(tile_of(0));
-  scatter.zero(tile_of(1));
-
-#pragma unroll
-  for (int i = 0; i < S - 2; ++i) {
-    if (i < steps) loader.load(p, stage_of(i), begin + i);
-    sm90::cp_async_commit();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      // The expected bytes, then each lane's offset words where they go by cp.async.
+      sm90::mbarrier_init(full(s), 1 + (tensor_offsets ? 0 : kProducerThreads));
+      sm90::mbarrier_init(empty(s), kThreads / 32);        // every consumer warp
+    }
+    for (int d = 0; d < D; ++d) {
+      sm90::mbarrier_init(ready(d), kExpanders / 32);  // every expanding warp
+      sm90::mbarrier_init(freed(d), kThreads / 32);
+    }
+    sm90::fence_barrier_init();
   }
-  sm90::cp_async_wait<S - 3>();  // step 0 has landed (this thread's copies) ...
-  __syncthreads();               // ... everyone's, and the first two dense tiles are zero
-  if (steps > 0) scatter.write(stage_of(0) + L::kX, begin, tile_of(0));
+  __syncthreads();
+  if constexpr (kEarly) allow_next_kernel();  // the next kernel's blocks may take idle SMs and copy their weights
 
-  for (int i = 0; i < steps; ++i) {
-    // Steps i (for the MMAs) and i + 1 (for the scatter) have landed; step i - 2's MMAs retired in
-    // the previous iteration, so its stage can be refilled; step i's dense tile is written.
-    sm90::cp_async_wait<S - 4>();
-    sm90::fence_async_proxy();
-    __syncthreads();
-    if (i + S - 2 < steps) loader.load(p, stage_of(i + S - 2), begin + i + S - 2);
-    sm90::cp_async_commit();
+  float acc[kRows / 2];  // set and used by the consumers only: the other roles keep no registers for it
 
-    const uint32_t xs = sm90::smem_addr(stage_of(i)), as = tile_of(i) + wg * 64 * 128;
-    sm90::fence_operands(acc);
-    sm90::wgmma_fence();
+  if (producer) {
+    if (lane == 0) {
+      sm90::tma_prefetch_map(&maps.x);
+      sm90::tma_prefetch_map(&maps.values);
+      if (tensor_offsets) sm90::tma_prefetch_map(&maps.offsets);
+    }
+    auto activations = [&](int s, int t) {
+      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
+    };
+    // The offset words by tensor copy where their rows allow it (sm90::offset_rows_aligned), else
+    // by the lanes with cp.async; either way kBoxWords a row from the 16-byte boundary at or before
+    // the step's first word, zeros past the row and past Nout.
+    auto values = [&](int s, int t) {
+      sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * F::kEntries,
+                        static_cast<int>(w0), full(s));
+      if (tensor_offsets)
+        sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kWords), &maps.offsets,
+                          static_cast<int>(F::first_word(t) & ~int64_t{3}) * 2, static_cast<int>(w0), full(s));
+    };
+    auto offsets = [&](int s, int t) {
+      if (tensor_offsets) return;
+      sm90::copy_offset_words<L::kBoxWords>(p, stage_at(s) + static_cast<uint32_t>(L::kWords),
+                                            F::first_word(t) & ~int64_t{3}, w0, lane, full(s));
+    };
+    auto bytes = [&](int) { return L::kTensorBytes + (tensor_offsets ? L::kWordBytes : 0u); };
+    sm90::produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
+  } else if (!consumer) {
+    const Scatter<kN, kM, kExpanders> scatter(threadIdx.x - kThreads);
+    RingSlot<S> stage;
+    RingSlot<D> dense;
+    for (int t = begin; t < end; ++t) {
+      sm90::mbarrier_wait(freed(dense.slot), dense.phase ^ 1);  // passes at once on a tile's first use
+      scatter.zero(dense_at(dense.slot));
+      sm90::mbarrier_wait(full(stage.slot), stage.phase);
+      __syncwarp();  // the warp's zeros before its values
+      scatter.write(smem + stage.slot * L::kStage + L::kX, t, dense_at(dense.slot));
+      sm90::fence_async_proxy();  // the MMAs read the dense tile through the async proxy
+      __syncwarp();
+      if (lane == 0) sm90::mbarrier_arrive(ready(dense.slot));
+      stage.advance();
+      dense.advance();
+    }
+  } else {
 #pragma unroll
-    for (int s = 0; s < kBK / 16; ++s)
-      sm90::wgmma_ss<kRows, kBf16>(acc, sm90::sw128_desc(as + s * 32), sm90::sw128_desc(xs + s * 32));
-    sm90::wgmma_commit();
+    for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
     sm90::fence_operands(acc);
-    sm90::wgmma_wait<1>();  // step i - 1's MMAs have retired: their dense tile is free to zero
-    if (i + 2 < steps) scatter.zero(tile_of(i + 2));
-    if (i + 1 < steps) scatter.write(stage_of(i + 1) + L::kX, begin + i + 1, tile_of(i + 1));
+    RingSlot<S> stage;
+    RingSlot<D> dense;
+    auto issue = [&] {
+      sm90::mbarrier_wait(full(stage.slot), stage.phase);  // the activation tile
+      sm90::mbarrier_wait(ready(dense.slot), dense.phase);
+      issue_step<kRows, kBf16>(acc, dense_at(dense.slot) + wg * 64 * 128, stage_at(stage.slot));
+    };
+    int last_stage = 0, last_dense = 0;  // of the step before, whose MMAs may still be in flight
+    auto release = [&] {
+      __syncwarp();
+      if (lane == 0) {
+        sm90::mbarrier_arrive(empty(last_stage));
+        sm90::mbarrier_arrive(freed(last_dense));
+      }
+    };
+    // ptxas serializes the MMAs (C7518) when wgmma's wait sits under a branch: the first step is
+    // issued before the loop, and every step in it waits for the one before.
+    if (begin < end) {
+      issue();
+      last_stage = stage.slot, last_dense = dense.slot;
+      stage.advance();
+      dense.advance();
+    }
+    for (int t = begin + 1; t < end; ++t) {
+      issue();
+      sm90::wgmma_wait<1>();  // the step before has retired: its stage and dense tile go back
+      sm90::fence_operands(acc);
+      release();
+      last_stage = stage.slot, last_dense = dense.slot;
+      stage.advance();
+      dense.advance();
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(acc);
   }
-  sm90::wgmma_wait<0>();
-  sm90::fence_operands(acc);
-  if (sm90::reduce_split(acc, smem)) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, q);
+  if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
+  if (sm90::reduce_split(acc, smem, consumer) && consumer)
+    sm90::store_tile<T, kRows>(p, acc, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
+}
+
+template <typename T, int kN, int kM, int kRows>
+cudaError_t launch_expanded(const PathParams<T>& p, cudaStream_t stream, int splits) {
+  using L = Layout<kN, kM, kRows>;
+  sm90::TileMaps maps{};
+  if (!sm90::packed_maps<typename L::F, kRows>(&maps, p) || !sm90::offsets_map(&maps.offsets, p, L::kBoxWords))
+    return cudaErrorInvalidValue;
+  constexpr unsigned kBlock = kThreads + kExpandThreads<kRows> + kProducerThreads;
+  return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
+    return sm90::launch_tiles<wgmma_kernel<T, kN, kM, kRows, early()>, kRows, L::kBytes, kBlock>(p, stream, splits,
+                                                                                                early(), maps);
+  });
 }
 
 // The families wgmma.cu compiles (sm90::with_family_of).
@@ -227,8 +369,7 @@ cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_family, [&](auto kN, auto kM) {
     const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
     return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, {}, [&](auto rows, int splits) {
-      return sm90::launch_tiles<wgmma_kernel<T, kN(), kM(), rows()>, rows(), Layout<kN(), kM(), rows()>::kBytes>(
-          p, stream, splits, false);
+      return launch_expanded<T, kN(), kM(), rows()>(p, stream, splits);
     });
   });
 }

@@ -1,7 +1,8 @@
 // A step's packed weight tile (docs/FORMAT.md) for the warpgroup kernels that rebuild the weight
 // in shared memory (wgmma.cu: dense tiles; wgmma_sp.cu: 2:4 tiles regrouped from sparser
-// patterns): the family's per-step geometry and the asynchronous copy of a step's stored values
-// and offset words. sm_90a only.
+// patterns; wgmma_tf32.cu): the family's per-step geometry, and the copy of a step's stored values
+// and offset words by cp.async from every thread (PackedLoader, the fp32 kernel's; the others'
+// producer warp copies them, wgmma_feed.cuh). sm_90a only.
 #pragma once
 #include "wgmma_tile.cuh"
 
@@ -24,7 +25,8 @@ struct Family {
   // Shared-memory bytes of a step's packed tile: kTileW rows of values, then their offset words.
   static constexpr size_t kValues = static_cast<size_t>(kTileW) * kValueBytes;
   static constexpr size_t kTileBytes = kValues + static_cast<size_t>(kTileW) * kIndexWords * 4;
-  // Bit of step t's first offset inside its first copied word.
+  // The word holding step t's first offset bit, and that bit inside it.
+  static __device__ __forceinline__ int64_t first_word(int64_t t) { return (t * kEntries * kBits) >> 5; }
   static __device__ __forceinline__ int first_bit(int64_t t) { return static_cast<int>((t * kEntries * kBits) & 31); }
 };
 

@@ -27,17 +27,21 @@
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
-#include <cuda.h>  // CUtensorMap; the encoder comes from the driver at run time (no libcuda link)
-
 #include <algorithm>
 #include <type_traits>
 
-#include "wgmma_packed.cuh"
+#include "wgmma_feed.cuh"
 
 namespace nmcli {
 namespace {
 
 using sm90::kBK;
+using sm90::kProducerThreads;
+using sm90::produce;
+using sm90::TileMaps;
+using sm90::offset_rows_aligned;
+using sm90::offsets_map;
+using sm90::tile_map;
 using sm90::kThreads;
 using sm90::kTileW;
 
@@ -70,26 +74,6 @@ struct SpLayout {
   static_assert(kThreads * kRows / 2 * 4 <= kBarriers, "reduce_split's scratch fits in the ring");
 };
 
-// The sparse kernels' tensor maps (TMA descriptors, built on the host for each call): activation
-// tiles, stored-value tiles and (2:4, where offset_rows_aligned(p)) offset-word tiles, in the
-// layouts the kernels read.
-struct SpMaps {
-  CUtensorMap x;
-  CUtensorMap values;
-  CUtensorMap offsets;
-};
-
-// Whether rows of offset words may be copied as tensor tiles: a tensor map's row stride must be a
-// multiple of 16 bytes and its base 16-byte aligned, and a box's first element must lie on a
-// 16-byte boundary (else the copy stops the kernel with "illegal instruction"). Other rows (K = 4104
-// at 2:4, for one: 130 words a row) are copied by the producer warp's lanes with cp.async into the
-// same layout.
-template <typename T>
-__host__ __device__ bool offset_rows_aligned(const PathParams<T>& p) {
-  return p.index_words % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0;
-}
-
-constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 kernel
 // Threads that regroup the tiles of a 1:4, 2:8 or 1:8 kernel (BENCHMARKS.md, sessions 18 and 25).
 // With the 256-row tile, whose MMAs need 168 registers, at most three warps (384 threads leave
 // them that; 416, allocated as 512, only 128): three for 1:4 and 1:8 (1.00-1.05x as fast as
@@ -99,46 +83,6 @@ constexpr int kProducerThreads = 32;  // one warp issues every copy of the 2:4 k
 // with two warps).
 template <int kN, int kRows>
 constexpr int kRegroupThreads = kRows == 256 ? (kN == 1 ? 96 : 64) : kN == 2 ? 64 : 128;
-
-// The producer warp's schedule in both kernels. Step t's copies go to stage t % S once the
-// consumers released it (`empty(s)`, phase parity): lane 0 tells the stage's `full` barrier the
-// bytes(s) its tensor copies bring and issues them, activations(s, t) and values(s, t) (the
-// weight tiles: values and, where they go by tensor copy, offset words); then every lane copies
-// its share of any offset words that go by cp.async, offsets(s, t). kEarly, for a grid launched
-// as a programmatic dependent (it may start while the previous kernel in the stream still runs):
-// the weights are constants, so the first S steps' weight copies go out at once, and their
-// activation tiles (which that kernel may write) once it has finished.
-template <int S, bool kEarly, typename Bytes, typename Full, typename Empty, typename Activations, typename Values,
-          typename Offsets>
-__device__ __forceinline__ void produce(int begin, int end, int lane, Bytes&& bytes, Full&& full, Empty&& empty,
-                                        Activations&& activations, Values&& values, Offsets&& offsets) {
-  int s = 0, t = begin;
-  uint32_t phase = 0;
-  if constexpr (kEarly) {
-    const int ahead = min(end - begin, S);
-    for (int i = 0; i < ahead; ++i) {
-      if (lane == 0) {
-        sm90::mbarrier_arrive_expect_tx(full(i), bytes(i));
-        values(i, begin + i);
-      }
-      offsets(i, begin + i);
-    }
-    wait_for_previous_kernel();
-    if (lane == 0)
-      for (int i = 0; i < ahead; ++i) activations(i, begin + i);
-    s = ahead % S, t = begin + ahead, phase = ahead == S;  // the stages filled ahead wrapped the ring once
-  }
-  for (; t < end; ++t) {
-    sm90::mbarrier_wait(empty(s), phase ^ 1);  // passes at once on a stage's first use
-    if (lane == 0) {
-      sm90::mbarrier_arrive_expect_tx(full(s), bytes(s));
-      activations(s, t);
-      values(s, t);
-    }
-    offsets(s, t);
-    if (++s == S) s = 0, phase ^= 1;
-  }
-}
 
 // Issues a consumer warpgroup's MMAs for kSteps steps from `stage` on (ring layout L) with their
 // metadata, as one commit group; the caller waits for it (wgmma_wait) before it writes `meta` again.
@@ -246,7 +190,7 @@ __device__ __forceinline__ uint32_t valid_metadata(uint32_t meta) {
 // (BENCHMARKS.md, session 19); the time there goes to each block's copies, not to the bandwidth.
 template <typename T, int kRows, bool kEarly>
 __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
-    wgmma_sp_kernel(PathParams<T> p, const __grid_constant__ SpMaps maps) {
+    wgmma_sp_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = SpLayout<kRows>;
   constexpr int S = L::kStages, G = L::kGroup;
@@ -518,7 +462,7 @@ struct RegroupLayout {
 // 0.78-0.90x (session 17).
 template <typename T, int kN, int kM, int kRows, bool kEarly>
 __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProducerThreads, 1)
-    wgmma_regroup_kernel(PathParams<T> p, const __grid_constant__ SpMaps maps) {
+    wgmma_regroup_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = RegroupLayout<kN, kM, kRows>;
   using F = typename L::F;
@@ -560,7 +504,6 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       sm90::tma_prefetch_map(&maps.x);
       sm90::tma_prefetch_map(&maps.values);
     }
-    constexpr int kWords = kTileW * F::kIndexWords;  // offset words of a step, from its first bit's word
     auto activations = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
     };
@@ -569,16 +512,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
                         static_cast<int>(w0), full(s));
     };
     auto offsets = [&](int s, int t) {
-      const int64_t word0 = (static_cast<int64_t>(t) * F::kEntries * F::kBits) >> 5;
-      const uint32_t words = stage_at(s) + static_cast<uint32_t>(L::kX + L::kA + F::kValues);
-#pragma unroll
-      for (int i = lane; i < kWords; i += 32) {
-        const int row = i / F::kIndexWords;
-        const int64_t word = word0 + i % F::kIndexWords;
-        const bool ok = w0 + row < p.nout && word < p.index_words;  // zeros past the row and past Nout
-        sm90::cp_async4(words + i * 4, ok ? p.indices + (w0 + row) * p.index_words + word : p.indices, ok);
-      }
-      sm90::cp_async_arrive(full(s));
+      sm90::copy_offset_words<F::kIndexWords>(p, stage_at(s) + static_cast<uint32_t>(L::kX + L::kA + F::kValues),
+                                              F::first_word(t), w0, lane, full(s));
     };
     auto bytes = [](int) { return L::kTensorBytes; };
     produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
@@ -624,52 +559,9 @@ constexpr auto with_sp_family = [](int n, int m, auto&& fn) {
   return sm90::with_family_of<family_code(2, 4), family_code(1, 4), family_code(2, 8), family_code(1, 8)>(n, m, fn);
 };
 
-// cuTensorMapEncodeTiled from the driver, looked up once (the op library links only the static
-// CUDA runtime); null when the driver lacks it.
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiled encode_tiled() {
-  static const EncodeTiled encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t e =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess)
-      return static_cast<EncodeTiled>(nullptr);
-    return reinterpret_cast<EncodeTiled>(fn);
-  }();
-  return encode;
-}
-
-// A tensor map over `rows` rows of `cols` 16-bit elements (`stride` elements apart) whose boxes
-// of [box_rows x box_cols] land in shared memory with `swizzle`; out-of-bounds elements read as
-// zeros. False where the driver refuses it (e.g. a base address not 16-byte aligned).
-bool tile_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t stride, int box_cols,
-              int box_rows, CUtensorMapSwizzle swizzle) {
-  const EncodeTiled encode = encode_tiled();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t unit[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides, box, unit,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-// A tensor map over the offset words (as 16-bit halves) whose boxes bring `words` words of kTileW
-// rows, where offset_rows_aligned(p) (the 2:4 kernel copies them with cp.async otherwise); false
-// where the driver refuses it.
-template <typename T>
-bool offsets_map(CUtensorMap* map, const PathParams<T>& p, int words) {
-  return !offset_rows_aligned(p) || tile_map(map, p.indices, p.index_words * 2, p.nout, p.index_words * 2, words * 2,
-                                             kTileW, CU_TENSOR_MAP_SWIZZLE_NONE);
-}
-
 template <typename T, int kRows>
 cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int splits) {
-  SpMaps maps{};
+  TileMaps maps{};
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B) ||
       !offsets_map(&maps.offsets, p, SpLayout<kRows>::kGroup * kMetaWords))
@@ -685,10 +577,8 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
 template <typename T, int kN, int kM, int kRows>
 cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
   using F = sm90::Family<kN, kM>;
-  SpMaps maps{};  // its offset words go by cp.async
-  if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
-      !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, F::kEntries, kTileW, CU_TENSOR_MAP_SWIZZLE_NONE))
-    return cudaErrorInvalidValue;
+  TileMaps maps{};  // its offset words go by cp.async
+  if (!sm90::packed_maps<F, kRows>(&maps, p)) return cudaErrorInvalidValue;
   constexpr size_t kSmem = RegroupLayout<kN, kM, kRows>::kBytes;
   constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {

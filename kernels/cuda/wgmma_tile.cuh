@@ -1,7 +1,8 @@
-// The pieces both warpgroup kernels share (wgmma.cu: the weight expanded to a dense tile;
-// wgmma_sp.cu: 2:4 weights on the sparse tensor cores): the block shape, the activation tile's
-// asynchronous copy, the epilogue, the calls they can run, the choice of activation-tile width
-// and the launch. sm_90a only.
+// The pieces the warpgroup kernels share (wgmma.cu: the weight expanded to a dense tile;
+// wgmma_sp.cu: 2:4 weights on the sparse tensor cores; wgmma_tf32.cu: fp32): the block shape, the
+// activation tile's copy by cp.async (the fp32 kernel's; the others copy it by TMA,
+// wgmma_feed.cuh), the epilogue, the calls they can run, the choice of activation-tile width and
+// the launch. sm_90a only.
 #pragma once
 #include <cooperative_groups.h>
 
