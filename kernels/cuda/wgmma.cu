@@ -100,7 +100,7 @@ __device__ __forceinline__ void st_shared_u16(uint32_t addr, uint32_t value) {
 }
 
 // Expanding thread `worker`'s share (of kWorkers) of rebuilding a step's dense weight tile: pairs
-// of consecutive stored entries (one 32-bit word of values), the same pair of rows first_row,
+// of consecutive stored entries (one 32-bit word of values), the same pair in rows first_row,
 // first_row + kRowStep, ... A warp's lanes cover kWarpRows whole consecutive rows at a time, so a
 // load of values is one contiguous run, and a warp zeroes exactly the rows it then writes: only
 // __syncwarp between the zeros and the values.
