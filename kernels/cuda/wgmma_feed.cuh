@@ -116,15 +116,15 @@ inline bool tile_map(CUtensorMap* map, const void* base, int64_t cols, int64_t r
 // multiple of 16 bytes and its base 16-byte aligned, and a box's first element must lie on a
 // 16-byte boundary (else the copy stops the kernel with "illegal instruction"). Other rows (K = 4104
 // at 2:4, for one: 130 words a row) are copied by the producer warp's lanes with cp.async into the
-// same layout.
+// same layout (copy_offset_words in the expanding kernel).
 template <typename T>
 __host__ __device__ bool offset_rows_aligned(const PathParams<T>& p) {
   return p.index_words % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0;
 }
 
 // A tensor map over the offset words (as 16-bit halves) whose boxes bring `words` words of kTileW
-// rows, where offset_rows_aligned(p) (the 2:4 kernel copies them with cp.async otherwise); false
-// where the driver refuses it.
+// rows, where offset_rows_aligned(p) (the kernels copy them with cp.async otherwise); false where
+// the driver refuses it.
 template <typename T>
 bool offsets_map(CUtensorMap* map, const PathParams<T>& p, int words) {
   return !offset_rows_aligned(p) || tile_map(map, p.indices, p.index_words * 2, p.nout, p.index_words * 2, words * 2,

@@ -37,13 +37,13 @@ namespace {
 
 using sm90::kBK;
 using sm90::kProducerThreads;
-using sm90::produce;
-using sm90::TileMaps;
-using sm90::offset_rows_aligned;
-using sm90::offsets_map;
-using sm90::tile_map;
 using sm90::kThreads;
 using sm90::kTileW;
+using sm90::offset_rows_aligned;
+using sm90::offsets_map;
+using sm90::produce;
+using sm90::tile_map;
+using sm90::TileMaps;
 
 constexpr int kStored = kBK / 2;        // stored values per weight row per step
 constexpr int kMetaWords = kBK / 32;    // offset words per weight row per step (one per MMA)
