@@ -16,8 +16,8 @@
 //    gives at least 16 weight tiles (Nout > 1920), else from 128 rows when its grid of 64-row
 //    tiles has at least 16 blocks. Session 30 (the kernel fed by a producer warp, `nmcli bench
 //    kernels --shapes nmsparse --path mma|wgmma` at 17, 64, 128, 256 and 512 rows, 4:16, 4:8 and
-//    2:16): with 16 or more weight tiles wgmma ran 1.11-2.27x the mma path at 17-64 rows (more
-//    with more tiles); with 8 (Nout = 1024) 0.77-0.97x at 17-64 rows but 1.04-1.48x at 128 rows
+//    2:16): with 16 weight tiles wgmma ran 1.11-1.46x the mma path at 17-64 rows, with 32 or more
+//    1.65-8.01x at every row count; with 8 (Nout = 1024) 0.77-0.97x at 17-64 rows but 1.04-1.48x at 128 rows
 //    (16 blocks) and 2.15-3.90x at 256-512. Grids under 16 blocks were not measured and keep the
 //    mma path. (Until session 30: 32 weight tiles and 48 blocks, from session 5's and session
 //    28's kernels.)
