@@ -248,28 +248,25 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
   float acc[kRows / 2];  // set and used by the consumers only: the other roles keep no registers for it
 
   if (producer) {
-    if (lane == 0) {
-      sm90::tma_prefetch_map(&maps.x);
-      sm90::tma_prefetch_map(&maps.values);
-      if (tensor_offsets) sm90::tma_prefetch_map(&maps.offsets);
-    }
+    if (lane == 0) maps.prefetch(tensor_offsets);
     auto activations = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
     };
     // The offset words by tensor copy where their rows allow it (sm90::offset_rows_aligned), else
     // by the lanes with cp.async; either way kBoxWords a row from the 16-byte boundary at or before
-    // the step's first word, zeros past the row and past Nout.
+    // the step's first word (box_start), zeros past the row and past Nout.
+    auto box_start = [](int t) { return F::first_word(t) & ~int64_t{3}; };
     auto values = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * F::kEntries,
                         static_cast<int>(w0), full(s));
       if (tensor_offsets)
         sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kWords), &maps.offsets,
-                          static_cast<int>(F::first_word(t) & ~int64_t{3}) * 2, static_cast<int>(w0), full(s));
+                          static_cast<int>(box_start(t)) * 2, static_cast<int>(w0), full(s));
     };
     auto offsets = [&](int s, int t) {
       if (tensor_offsets) return;
       sm90::copy_offset_words<L::kBoxWords>(p, stage_at(s) + static_cast<uint32_t>(L::kWords),
-                                            F::first_word(t) & ~int64_t{3}, w0, lane, full(s));
+                                            box_start(t), w0, lane, full(s));
     };
     auto bytes = [&](int) { return L::kTensorBytes + (tensor_offsets ? L::kWordBytes : 0u); };
     sm90::produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);

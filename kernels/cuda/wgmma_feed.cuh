@@ -13,12 +13,20 @@ namespace sm90 {
 
 constexpr int kProducerThreads = 32;  // one warp issues every copy
 
-// A kernel's tensor maps (TMA descriptors): activation tiles, stored-value tiles and (the 2:4
-// kernel, where its offset rows are aligned) offset-word tiles, in the layouts the kernel reads.
+// A kernel's tensor maps (TMA descriptors): activation tiles, stored-value tiles and (the 2:4 and
+// expanding kernels, where offset_rows_aligned) offset-word tiles, in the layouts the kernel reads.
 struct TileMaps {
   CUtensorMap x;
   CUtensorMap values;
   CUtensorMap offsets;
+
+  // For the producer's lane 0, before its first copies: fetches the descriptors it will read,
+  // the offset-word map's too where `offsets_too`.
+  __device__ __forceinline__ void prefetch(bool offsets_too) const {
+    tma_prefetch_map(&x);
+    tma_prefetch_map(&values);
+    if (offsets_too) tma_prefetch_map(&offsets);
+  }
 };
 
 // The producer warp's schedule. Step t's copies go to stage t % S once the consumers released it

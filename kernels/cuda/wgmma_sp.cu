@@ -227,11 +227,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   sm90::fence_operands(acc);
 
   if (!consumer) {
-    if (lane == 0) {
-      sm90::tma_prefetch_map(&maps.x);
-      sm90::tma_prefetch_map(&maps.values);
-      if (tensor_offsets) sm90::tma_prefetch_map(&maps.offsets);
-    }
+    if (lane == 0) maps.prefetch(tensor_offsets);
     constexpr int kMetaRows = kTileW / 32;  // weight rows whose offset words each lane copies
     const uint32_t* meta[kMetaRows];
     bool meta_ok[kMetaRows];
@@ -500,10 +496,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   float acc[kRows / 2];  // set and used by the consumers only: the other roles keep no registers for it
 
   if (producer) {
-    if (lane == 0) {
-      sm90::tma_prefetch_map(&maps.x);
-      sm90::tma_prefetch_map(&maps.values);
-    }
+    if (lane == 0) maps.prefetch(false);  // its offset words go by cp.async
     auto activations = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
     };
