@@ -4,11 +4,11 @@
 //
 // When 32 output columns keep the same K positions, their product is a dense one over the kept
 // positions only: gather those activation columns, multiply by the 32 columns' stored values.
-// A block covers kRows activation rows and 256 weight columns; each warp owns one 32-column block
-// and all kRows rows. Per stage (kPositions K positions, kEntries stored entries per column) the
+// A block covers kRows activation rows and kCols weight columns (256, or 512 with 16 warps); each
+// warp owns one 32-column block and all kRows rows. Per stage (kPositions K positions, kEntries stored entries per column) the
 // block copies
 //  * the activation tile [kRows x kPositions] (padded rows),
-//  * the packed values of its 256 columns [256 x kEntries], as they are stored,
+//  * the packed values of its columns [kCols x kEntries], as they are stored,
 //  * each warp's leader column's offset words for the stage,
 // with cp.async into a ring of stages. A warp decodes its kEntries offsets once per stage (lane
 // e holds entry e's position in the tile) and hands them around with shuffles; the A fragments
@@ -18,10 +18,11 @@
 //    one 8-byte load;
 //  * fp16/bf16, m16n8k16: k indices 2t, 2t + 1, 2t + 8, 2t + 9 -> entries t, t + 4, t + 8, t + 12,
 //    so each gather load spans 4 consecutive entries (multiply_stage_16bit).
-// Tiles (launch_rows): from 65 rows 128 x 256 with 16 entries per stage. The activation tile is
-// copied whole though each warp reads N/M of it, so at high sparsity the kernel is bound by L2 ->
-// shared-memory bytes per MMA; fp32 64-row tiles ran 104 / 175 / 285 effective TFLOP/s against
-// 111 / 188 / 283 for these at 16:32 / 8:32 / 4:32 on 4096^3 (BENCHMARKS.md, session 21).
+// Tiles (launch_rows): from 65 rows 128 x 256 with 16 entries per stage; fp32 at N/M = 1/8 takes
+// 64 x 512. The activation tile is copied whole though each warp reads N/M of it, so the bytes
+// copied per MMA grow with sparsity; 512 columns share each copied activation between twice the
+// warps (session 31). 64 x 256 tiles ran 104 / 175 / 285 effective TFLOP/s against 111 / 188 /
+// 283 for 128 x 256 at 16:32 / 8:32 / 4:32 on 4096^3 (BENCHMARKS.md, session 21).
 // Up to 64 rows, 32- or 64-row tiles with 32 entries per stage (for fp32 a whole 128-byte line of
 // each column's values), K split over a cluster (k_split) so that the few tiles fill the GPU: the
 // weight stream is the work there, and for fp32 32 entries ran 1.05-1.23x faster than 16
@@ -41,9 +42,6 @@
 namespace nmcli {
 namespace {
 
-constexpr int kWarps = 8;                 // one per 32-column block of the weight
-constexpr int kThreads = 32 * kWarps;
-constexpr int kCols = 32 * kWarps;        // weight columns per block
 constexpr int kOffsetWords = 8;           // a stage's offset fields (<= 32 x 5 bits) span at most 6 words
 constexpr int kSmemBudget = 220 * 1024;
 
@@ -58,15 +56,22 @@ constexpr int column_words(int words) {
 
 // kRows activation rows x kCols weight columns per block; per stage kEntries stored entries per
 // column, which span kPositions = kEntries * M/N positions of K. Sizes in elements of T.
-template <typename T, int kRatio, int kRowsArg, int kEntriesArg>
+template <typename T, int kRatio, int kRowsArg, int kEntriesArg, int kWarpsArg = 8, bool kSwizzleArg = false>
 struct VectorTile {
+  // fp32 with 16 entries: columns of 16 words, unpadded, their two 8-word halves swapped where
+  // bit 1 of the column is set, so a half-warp's B loads (4 columns x 8 words) still hit 32 banks.
+  static constexpr bool kSwizzle = kSwizzleArg;
+  static_assert(!kSwizzle || (sizeof(T) == 4 && kEntriesArg == 16), "the swizzle is for fp32 columns of 16 entries");
   static constexpr int kRows = kRowsArg, kEntries = kEntriesArg, kPositions = kEntries * kRatio;
+  static constexpr int kWarps = kWarpsArg;  // one per 32-column block of the weight
+  static constexpr int kThreads = 32 * kWarps, kCols = 32 * kWarps;
   static constexpr int kChunk = 16 / sizeof(T);  // elements per 16-byte copy
   static constexpr int kRowTiles = kRows / 16;   // m16 tiles per warp
   // Rows of the activation tile are kPositions + 16 bytes: an odd multiple of 4 words, so the
   // eight rows a gather reads start in eight different 16-byte bank groups (multiply_stage_*).
   static constexpr int kXStride = kPositions + kChunk;
-  static constexpr int kWStride = column_words<T>(kEntries * static_cast<int>(sizeof(T)) / 4) * 4 / sizeof(T);
+  static constexpr int kWStride =
+      kSwizzle ? kEntries : column_words<T>(kEntries * static_cast<int>(sizeof(T)) / 4) * 4 / sizeof(T);
   static constexpr int kXBytes = kRows * kXStride * sizeof(T);
   static constexpr int kWBytes = kCols * kWStride * sizeof(T);
   static constexpr int kStageBytes = kXBytes + kWBytes + kWarps * kOffsetWords * 4;
@@ -104,11 +109,12 @@ __device__ __forceinline__ uint32_t pair(uint16_t lo, uint16_t hi) { return lo |
 template <typename T, typename Tile>
 struct StageCopies {
   static constexpr int kRows = Tile::kRows, kEntries = Tile::kEntries, kPositions = Tile::kPositions;
-  static constexpr int kChunk = Tile::kChunk;
+  static constexpr int kChunk = Tile::kChunk, kThreads = Tile::kThreads, kCols = Tile::kCols;
   static constexpr int kXChunks = kPositions / kChunk, kXRowsPerPass = kThreads / kXChunks, kXPasses = kRows / kXRowsPerPass;
   static constexpr int kWChunks = kEntries / kChunk, kWColsPerPass = kThreads / kWChunks, kWPasses = kCols / kWColsPerPass;
   static_assert(kThreads % kXChunks == 0 && kXPasses * kXRowsPerPass == kRows, "whole passes over the activation tile");
   static_assert(kThreads % kWChunks == 0 && kWPasses * kWColsPerPass == kCols, "whole passes over the values");
+  static_assert(!Tile::kSwizzle || kWColsPerPass % 4 == 0, "a thread's columns share bit 1 (the swizzle)");
   const T* x;       // this thread's first activation chunk at stage 0
   const T* values;  // ... and first packed-value chunk
   const uint32_t* words;  // lanes < kOffsetWords: the warp's leader column's offset words
@@ -130,7 +136,8 @@ struct StageCopies {
     x_rows_left = static_cast<int>(min(p.rows - row0 - xr, static_cast<int64_t>(kRows)));
     w_cols_left = static_cast<int>(min(p.nout - col0 - wc, static_cast<int64_t>(kCols)));
     x_dst = (xr * Tile::kXStride + kChunk * xc) * sizeof(T);
-    w_dst = Tile::kXBytes + (wc * Tile::kWStride + kChunk * wq) * sizeof(T);
+    const int w_chunk = Tile::kSwizzle ? wq ^ (2 * ((wc >> 1) & 1)) : wq;  // passes keep bit 1 of the column
+    w_dst = Tile::kXBytes + (wc * Tile::kWStride + kChunk * w_chunk) * sizeof(T);
     words_dst = Tile::kXBytes + Tile::kWBytes + (warp * kOffsetWords + lane) * 4;
     leader = col0 + 32 * warp < p.nout;
   }
@@ -174,7 +181,8 @@ __device__ __forceinline__ void multiply_stage_tf32(float (&acc)[Tile::kRowTiles
     uint32_t b_big[4][2], b_small[4][2];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const float2 v = *reinterpret_cast<const float2*>(ws + (8 * nt + g) * Tile::kWStride + 8 * s + 2 * q);
+      const int half = Tile::kSwizzle ? s ^ ((g >> 1) & 1) : s;
+      const float2 v = *reinterpret_cast<const float2*>(ws + (8 * nt + g) * Tile::kWStride + 8 * half + 2 * q);
       split_tf32(v.x, b_big[nt][0], b_small[nt][0]);
       split_tf32(v.y, b_big[nt][1], b_small[nt][1]);
     }
@@ -243,8 +251,9 @@ __device__ __forceinline__ void multiply_stage_16bit(float (&acc)[Tile::kRowTile
 }
 
 template <typename T, typename Tile>
-__global__ void __launch_bounds__(kThreads, 1) vector_kernel(PathParams<T> p, int log2n, int log2m) {
+__global__ void __launch_bounds__(Tile::kThreads, 1) vector_kernel(PathParams<T> p, int log2n, int log2m) {
   constexpr int kRows = Tile::kRows, kEntries = Tile::kEntries, kPositions = Tile::kPositions;
+  constexpr int kCols = Tile::kCols;
   constexpr int kRowTiles = Tile::kRowTiles;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
@@ -302,14 +311,14 @@ __global__ void __launch_bounds__(kThreads, 1) vector_kernel(PathParams<T> p, in
         if (split) partial[r * kCols + c] = acc[mt][nt][e];
         else store_output<T>(p, row0 + r, col0 + c, acc[mt][nt][e]);
       }
-  if (split) reduce_cluster<T, kRows, kCols, kThreads>(p, partial, row0, col0);
+  if (split) reduce_cluster<T, kRows, kCols, Tile::kThreads>(p, partial, row0, col0);
 }
 
 // Clusters of `split` blocks of kKernel that the device runs at once, one block per SM (cached
 // per device and split). Clusters must fit in one GPC, so this is less than SMs / split: 15
 // clusters of 8 on the H100 (132 SMs).
 template <auto kKernel>
-int64_t active_clusters(int split, int smem_bytes) {
+int64_t active_clusters(int split, int threads, int smem_bytes) {
   static int known[64][9] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return multiprocessor_count() / split;
@@ -321,7 +330,7 @@ int64_t active_clusters(int split, int smem_bytes) {
     cluster.val.clusterDim.z = static_cast<unsigned>(split);
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(1, 1, static_cast<unsigned>(split));
-    config.blockDim = dim3(kThreads);
+    config.blockDim = dim3(static_cast<unsigned>(threads));
     config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
     config.attrs = &cluster;
     config.numAttrs = 1;
@@ -340,13 +349,13 @@ int64_t active_clusters(int split, int smem_bytes) {
 // (N = 4096, up to 64 rows), 8-way splits take two waves (15 clusters at once) and ran
 // 1.03-1.22x slower than 4-way ones (BENCHMARKS.md, session 22).
 template <auto kKernel>
-int k_split(int64_t tiles, int64_t steps, int smem_bytes) {
+int k_split(int64_t tiles, int64_t steps, int threads, int smem_bytes) {
   if (compute_capability() < 90 || tiles >= multiprocessor_count()) return 1;  // clusters; a full grid
   int best = 1;
   int64_t best_cost = steps;  // one wave of whole-K blocks
   for (const int split : {2, 4, 8}) {
     if (steps < 4 * split) break;
-    const int64_t clusters = active_clusters<kKernel>(split, smem_bytes);
+    const int64_t clusters = active_clusters<kKernel>(split, threads, smem_bytes);
     const int64_t cost = (tiles + clusters - 1) / clusters * ((steps + split - 1) / split);
     if (cost < best_cost) best = split, best_cost = cost;
   }
@@ -357,12 +366,14 @@ template <typename T, typename Tile>
 cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
   constexpr auto kernel = vector_kernel<T, Tile>;
   constexpr int kBytes = Tile::kSmemBytes, kPositions = Tile::kPositions, kRows = Tile::kRows;
+  constexpr int kThreads = Tile::kThreads, kCols = Tile::kCols;
   if (const cudaError_t e = allow_dynamic_smem<kernel>(kBytes); e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.nout + kCols - 1) / kCols),
                   static_cast<unsigned>((p.rows + kRows - 1) / kRows));
   const int log2n = __builtin_ctz(p.n), log2m = __builtin_ctz(p.m);
   const int splits =
-      k_split<kernel>(static_cast<int64_t>(grid.x) * grid.y, (p.groups * p.m + kPositions - 1) / kPositions, kBytes);
+      k_split<kernel>(static_cast<int64_t>(grid.x) * grid.y, (p.groups * p.m + kPositions - 1) / kPositions, kThreads,
+                      kBytes);
   if (splits == 1) {
     kernel<<<grid, kThreads, kBytes, stream>>>(p, log2n, log2m);
     return cudaGetLastError();
@@ -370,13 +381,24 @@ cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
   return launch_split_k(kernel, grid, kThreads, kBytes, stream, splits, false, p, log2n, log2m);
 }
 
-// The activation tile: the smallest of 32, 64 and 128 rows that holds the call's rows (128 past
-// that); with few rows the grid is small and k_split fills the GPU.
+// The activation tile: the smallest of 32 and 64 rows that holds the call's rows, where the grid
+// is small and k_split fills the GPU. Past 64 rows 128 x 256 tiles, except for fp32 (session 31:
+// against the padded 128 x 256 tile in one lease, nmSPARSE shapes at 4096 rows and LLaMA shapes
+// at 256 and 4096):
+//  * N/M = 1/8: 64 x 512 tiles (16 warps) copy fewer activation bytes per MMA: 0.97-1.13x, below
+//    1 only at 4096 x 1024 x 1024;
+//  * N/M = 1/4: unpadded, swizzled value columns, so 4 stages fit where 3 did: 1.00-1.08x;
+//  * N/M = 1/2 keeps the padded columns (4 stages either way; the swizzle ran 0.98-1.02x).
 template <typename T, int kRatio>
 cudaError_t launch_rows(const PathParams<T>& p, cudaStream_t stream) {
   if (p.rows <= 32) return launch<T, VectorTile<T, kRatio, 32, 32>>(p, stream);
   if (p.rows <= 64) return launch<T, VectorTile<T, kRatio, 64, 32>>(p, stream);
-  return launch<T, VectorTile<T, kRatio, 128, 16>>(p, stream);
+  if constexpr (std::is_same_v<T, float> && kRatio == 8)
+    return launch<T, VectorTile<T, kRatio, 64, 16, 16>>(p, stream);
+  else if constexpr (std::is_same_v<T, float> && kRatio == 4)
+    return launch<T, VectorTile<T, kRatio, 128, 16, 8, true>>(p, stream);
+  else
+    return launch<T, VectorTile<T, kRatio, 128, 16>>(p, stream);
 }
 
 bool power_of_two(int v) { return v > 0 && (v & (v - 1)) == 0; }
