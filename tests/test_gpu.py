@@ -176,7 +176,8 @@ def test_vector_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, vec
     tensor-core path (fp32: 3xTF32; fp16, bf16: m16n8k16), forced and through the dispatch, into
     poisoned outputs: K not a multiple of the stage, rows and columns not multiples of the
     tile, partial last blocks; the 32-, 64- and 128-row tiles (fp32 at N/M = 1/8: 64 x 512 from
-    65 rows), with K split over a cluster (12, 20, 40 and 200 rows). 16-bit rows of X are copied 8 elements at a time, so K rounds up to 8."""
+    65 rows; at 1/4 the swizzled value columns), with K split over a cluster (12, 20, 40 and 200
+    rows). 16-bit rows of X are copied 8 elements at a time, so K rounds up to 8."""
     if dtype_name != "float32":
         k += -k % 8
     pattern = NMPattern(n, m)

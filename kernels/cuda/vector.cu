@@ -5,8 +5,8 @@
 // When 32 output columns keep the same K positions, their product is a dense one over the kept
 // positions only: gather those activation columns, multiply by the 32 columns' stored values.
 // A block covers kRows activation rows and kCols weight columns (256, or 512 with 16 warps); each
-// warp owns one 32-column block and all kRows rows. Per stage (kPositions K positions, kEntries stored entries per column) the
-// block copies
+// warp owns one 32-column block and all kRows rows. Per stage (kPositions K positions, kEntries
+// stored entries per column) the block copies
 //  * the activation tile [kRows x kPositions] (padded rows),
 //  * the packed values of its columns [kCols x kEntries], as they are stored,
 //  * each warp's leader column's offset words for the stage,
