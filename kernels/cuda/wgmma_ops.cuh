@@ -134,6 +134,14 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
 #define NMCLI_WGMMA_ACC32(i) \
   NMCLI_WGMMA_ACC8(i), NMCLI_WGMMA_ACC8((i) + 8), NMCLI_WGMMA_ACC8((i) + 16), NMCLI_WGMMA_ACC8((i) + 24)
 
+// An N-wide MMA's accumulators: placeholders %0..%(N/2 - 1) and their operands d[0..N/2).
+#define NMCLI_WGMMA_D64_REGS NMCLI_WGMMA_REGS_0_31
+#define NMCLI_WGMMA_D64 NMCLI_WGMMA_ACC32(0)
+#define NMCLI_WGMMA_D128_REGS NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63
+#define NMCLI_WGMMA_D128 NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32)
+#define NMCLI_WGMMA_D256_REGS NMCLI_WGMMA_D128_REGS ", " NMCLI_WGMMA_REGS_64_127
+#define NMCLI_WGMMA_D256 NMCLI_WGMMA_D128, NMCLI_WGMMA_ACC32(64), NMCLI_WGMMA_ACC32(96)
+
 // The body of a wrapper templated on <kWidth, kBf16>: the instruction macro (taking the type
 // name) for the activation-tile width, with the type the template asks for.
 #define NMCLI_WGMMA_FOR_WIDTH(N64, N128, N256) \
@@ -152,14 +160,11 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
   asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" REGS "}, " DESCS ", 1, 1, 1, 0, 0;" \
                : __VA_ARGS__ : "l"(a_desc), "l"(b_desc))
 #define NMCLI_WGMMA_SS_M64N64K16(TYPE) \
-  NMCLI_WGMMA_SS("m64n64k16", TYPE, NMCLI_WGMMA_REGS_0_31, "%32, %33", NMCLI_WGMMA_ACC32(0))
+  NMCLI_WGMMA_SS("m64n64k16", TYPE, NMCLI_WGMMA_D64_REGS, "%32, %33", NMCLI_WGMMA_D64)
 #define NMCLI_WGMMA_SS_M64N128K16(TYPE) \
-  NMCLI_WGMMA_SS("m64n128k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "%64, %65", \
-                 NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32))
+  NMCLI_WGMMA_SS("m64n128k16", TYPE, NMCLI_WGMMA_D128_REGS, "%64, %65", NMCLI_WGMMA_D128)
 #define NMCLI_WGMMA_SS_M64N256K16(TYPE) \
-  NMCLI_WGMMA_SS("m64n256k16", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63 ", " NMCLI_WGMMA_REGS_64_127, \
-                 "%128, %129", NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32), NMCLI_WGMMA_ACC32(64), \
-                 NMCLI_WGMMA_ACC32(96))
+  NMCLI_WGMMA_SS("m64n256k16", TYPE, NMCLI_WGMMA_D256_REGS, "%128, %129", NMCLI_WGMMA_D256)
 
 template <int kWidth, bool kBf16>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc) {
@@ -189,10 +194,9 @@ __device__ __forceinline__ void wgmma_tf32_rs(float (&d)[kWidth / 2], const uint
     NMCLI_WGMMA_TF32_RS("m64n32k8", NMCLI_WGMMA_REGS_0_15, "{%16, %17, %18, %19}, %20", NMCLI_WGMMA_ACC8(0),
                         NMCLI_WGMMA_ACC8(8));
   } else if constexpr (kWidth == 64) {
-    NMCLI_WGMMA_TF32_RS("m64n64k8", NMCLI_WGMMA_REGS_0_31, "{%32, %33, %34, %35}, %36", NMCLI_WGMMA_ACC32(0));
+    NMCLI_WGMMA_TF32_RS("m64n64k8", NMCLI_WGMMA_D64_REGS, "{%32, %33, %34, %35}, %36", NMCLI_WGMMA_D64);
   } else {
-    NMCLI_WGMMA_TF32_RS("m64n128k8", NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "{%64, %65, %66, %67}, %68",
-                        NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32));
+    NMCLI_WGMMA_TF32_RS("m64n128k8", NMCLI_WGMMA_D128_REGS, "{%64, %65, %66, %67}, %68", NMCLI_WGMMA_D128);
   }
 }
 
@@ -207,13 +211,11 @@ __device__ __forceinline__ void wgmma_tf32_rs(float (&d)[kWidth / 2], const uint
                : __VA_ARGS__ : "l"(a_desc), "l"(b_desc), "r"(meta))
 
 #define NMCLI_WGMMA_SP_M64N64K32(TYPE) \
-  NMCLI_WGMMA_SP("m64n64k32", TYPE, NMCLI_WGMMA_REGS_0_31, "%32, %33, %34", NMCLI_WGMMA_ACC32(0))
+  NMCLI_WGMMA_SP("m64n64k32", TYPE, NMCLI_WGMMA_D64_REGS, "%32, %33, %34", NMCLI_WGMMA_D64)
 #define NMCLI_WGMMA_SP_M64N128K32(TYPE) \
-  NMCLI_WGMMA_SP("m64n128k32", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63, "%64, %65, %66", \
-                 NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32))
+  NMCLI_WGMMA_SP("m64n128k32", TYPE, NMCLI_WGMMA_D128_REGS, "%64, %65, %66", NMCLI_WGMMA_D128)
 #define NMCLI_WGMMA_SP_M64N256K32(TYPE) \
-  NMCLI_WGMMA_SP("m64n256k32", TYPE, NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63 ", " NMCLI_WGMMA_REGS_64_127, \
-                 "%128, %129, %130", NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32), NMCLI_WGMMA_ACC32(64), NMCLI_WGMMA_ACC32(96))
+  NMCLI_WGMMA_SP("m64n256k32", TYPE, NMCLI_WGMMA_D256_REGS, "%128, %129, %130", NMCLI_WGMMA_D256)
 
 template <int kWidth, bool kBf16>
 __device__ __forceinline__ void wgmma_sp(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc, uint32_t meta) {
