@@ -5,8 +5,8 @@ between leases of the same GPU model (session 17, at 4096 rows), so a change is 
 its base here, not against an older table.
 
 Each point is bench_kernels' method: several weight sets past L2 rotated in one CUDA graph,
-median of 15 replays, three rounds per build (all printed, the median reported). fp16, weights
-magnitude-pruned from normal data. Needs torch and a GPU.
+median of 15 replays, three rounds per build (all printed, the median reported). fp16 unless
+`--dtype` says otherwise, weights magnitude-pruned from normal data. Needs torch and a GPU.
 
 Archive the base on the machine that has the commits, into a folder that travels with the tree
 (untracked and not ignored, or named in the device call's carry): on the lent GPU machine the
@@ -46,12 +46,13 @@ class Point:
 
     def __init__(self, m, k, n, pattern, values, indices, l2_bytes):
         self.m, self.k, self.n, self.pattern = m, k, n, pattern
-        per_set = values.numel() * 2 + indices.numel() * 4 + (m * k + m * n) * 2
+        self.dtype, size = values.dtype, values.element_size()
+        per_set = values.numel() * size + indices.numel() * 4 + (m * k + m * n) * size
         self.sets = bench_kernels._sets_for(l2_bytes, per_set)
         self.values = [values.clone() for _ in range(self.sets)]
         self.indices = [indices.clone() for _ in range(self.sets)]
-        self.x = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(self.sets)]
-        self.y = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in range(self.sets)]
+        self.x = [torch.randn(m, k, device="cuda", dtype=self.dtype) for _ in range(self.sets)]
+        self.y = [torch.empty(m, n, device="cuda", dtype=self.dtype) for _ in range(self.sets)]
 
     def time_us(self, module, path: str) -> float:
         """Median microseconds per call of `module`'s kernel."""
@@ -60,7 +61,7 @@ class Point:
             for i in range(self.sets):
                 module.nm_matmul_cuda(self.x[i].data_ptr(), self.values[i].data_ptr(), self.indices[i].data_ptr(), 0,
                                       self.y[i].data_ptr(), self.m, self.pattern.n, self.pattern.m, self.k, self.n,
-                                      "float16", 1.0, stream, path)
+                                      str(self.dtype).removeprefix("torch."), 1.0, stream, path)
 
         return bench_kernels._time_graph(torch, launch, 15) / self.sets * 1e3
 
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--path", default="decode", help="kernel path, as in nmcli bench kernels --path")
     parser.add_argument("--rows", type=int, action="append", help="activation rows (repeatable; default 1)")
     parser.add_argument("--nm", action="append", help="N:M patterns (repeatable; default 2:8 and 2:4)")
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--shape", action="append", metavar="KxN",
                         help="weight shape K x Nout (repeatable; default the LLaMA projections)")
     args = parser.parse_args()
@@ -87,7 +89,7 @@ def main() -> None:
             pattern = NMPattern.parse(nm)
             w = rng.standard_normal((k, n)).astype(np.float32)
             packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
-            values = torch.from_numpy(packed.values).to("cuda", torch.float16)
+            values = torch.from_numpy(packed.values).to("cuda", getattr(torch, args.dtype))
             indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
             for m in args.rows or [1]:
                 point = Point(m, k, n, pattern, values, indices, l2_bytes)
@@ -96,7 +98,8 @@ def main() -> None:
                     for name, module in builds.items():
                         runs[name].append(point.time_us(module, args.path))
                 del point
-                moved = packed.values.size * 2 + packed.indices.size * 4 + (m * k + m * n) * 2
+                size = values.element_size()
+                moved = packed.values.size * size + packed.indices.size * 4 + (m * k + m * n) * size
                 cells = []
                 for name, times in runs.items():
                     us = float(np.median(times))

@@ -17,7 +17,7 @@
 //    it ("freed"), then scatter the step's entries into it ("ready");
 //  * warps 0-7, two warpgroups of 64 weight rows, issue the MMAs of a step, keep them in flight
 //    while the next step's go out, then hand back the older step's stage ("empty") and dense tile.
-// Calls with few tiles split K over a cluster (sm90::launch_split, reduce_split).
+// Calls with few tiles split K over a cluster (sm90::launch_split, finish_tile).
 // Until session 29 each thread gathered its A fragments in registers: ~40 instructions per pair of
 // dense positions (ncu at 4096^3 4:16: 169M warp instructions). The scatter (session 29) touches
 // each stored entry once, but every thread still copied, expanded and multiplied in turn with a
@@ -85,7 +85,7 @@ struct Layout {
   static constexpr size_t kBytes = kBarriers + 2 * (kStages + kDense) * 8 + 1024;  // + slack to align the ring
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // + kWordBytes by tensor copy
   static_assert(kStages >= 3, "the copies run at least one step ahead of the two steps in the MMAs");
-  static_assert(kThreads * kRows / 2 * 4 <= kDenseAt, "reduce_split's scratch fits in the ring");
+  static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits before the barriers");
 };
 
 __device__ __forceinline__ void st_shared_zero(uint32_t addr, std::integral_constant<int, 8>) {
@@ -326,8 +326,7 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
     sm90::fence_operands(acc);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  if (sm90::reduce_split(acc, smem, consumer) && consumer)
-    sm90::store_tile<T, kRows>(p, acc, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
+  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif

@@ -71,7 +71,7 @@ struct SpLayout {
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + kA);  // what the tensor copies bring per stage
   static constexpr uint32_t kGroupWordBytes = static_cast<uint32_t>(kGroup * kMeta);  // + a group's offset words
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group's copies fly");
-  static_assert(kThreads * kRows / 2 * 4 <= kBarriers, "reduce_split's scratch fits in the ring");
+  static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
 };
 
 // Threads that regroup the tiles of a 1:4, 2:8 or 1:8 kernel (BENCHMARKS.md, sessions 18 and 25).
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  if (sm90::reduce_split(acc, smem, consumer) && consumer) sm90::store_tile<T, kRows>(p, acc, w0, r0, row, lane & 3);
+  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, r0, row, lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -443,7 +443,7 @@ struct RegroupLayout {
   static constexpr size_t kBytes = kTable + Regroup<kN, kM>::kCodes * 8 + 1024;  // + slack to align the ring
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group is copied and regrouped");
-  static_assert(kThreads * kRows / 2 * 4 <= kBarriers, "reduce_split's scratch fits in the ring");
+  static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
 };
 
 
@@ -539,8 +539,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  if (sm90::reduce_split(acc, smem, consumer) && consumer)
-    sm90::store_tile<T, kRows>(p, acc, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
+  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif

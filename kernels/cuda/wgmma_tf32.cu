@@ -17,7 +17,7 @@
 //    and X_small tiles, in the K order that makes each lane's A positions whole N:M groups
 //    (split_activations).
 // MMAs per step: 3 x 4 k8 per warpgroup. Calls with few tiles split K over a cluster
-// (sm90::launch_split, reduce_split). Any N:M with M a power of two up to 32 (groups never cross
+// (sm90::launch_split, finish_tile). Any N:M with M a power of two up to 32 (groups never cross
 // a step).
 #include <algorithm>
 
@@ -67,7 +67,7 @@ struct Tf32Layout {
   static constexpr size_t kOperandsOffset = kStages * kStage;
   static constexpr size_t kBytes = kOperandsOffset + 2 * kOperands + 1024;  // + slack to align the ring
   static_assert(kStages >= 3, "a step is prepared while the next kStages - 1 land");
-  static_assert(kThreads * kRows / 2 * 4 <= kOperandsOffset + 2 * kOperands, "reduce_split's scratch fits");
+  static_assert(sm90::kFinishBytes<kRows> <= kOperandsOffset + 2 * kOperands, "finish_tile's scratch fits");
 };
 
 // Byte offset of 16-byte chunk `c` (0..7) of row `r` in a [rows x 32] fp32 tile with the 128-byte
@@ -263,8 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_tf32_kernel(PathParams<floa
   }
   sm90::wgmma_wait<0>();
   sm90::fence_operands(acc);
-  if (sm90::reduce_split(acc, smem))
-    sm90::store_tile<float, kRows>(p, acc, w0, r0, row, q);
+  sm90::finish_tile<float, kRows>(p, acc, smem, true, w0, r0, row, q);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif

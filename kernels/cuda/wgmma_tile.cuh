@@ -7,6 +7,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 #include "common.cuh"
@@ -60,27 +61,6 @@ struct ActivationLoader {
     }
   }
 };
-
-// Writes a warpgroup's accumulators: accumulator i*4 + h*2 + e holds weight row `row` (+ 8 for
-// h = 1) of the block, activation row 8i + 2q + e of its tile; alpha, bias and residual applied here.
-template <typename T, int kRows>
-__device__ __forceinline__ void store_tile(const PathParams<T>& p, const float (&acc)[kRows / 2], int64_t w0,
-                                           int64_t r0, int row, int q) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t w = w0 + row + 8 * h;
-    if (w >= p.nout) continue;
-    const float bias = p.bias ? to_f32(p.bias[w]) : 0.f;
-    const OutputColumn<T> y = p.y.column(w);
-#pragma unroll
-    for (int i = 0; i < kRows / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t r = r0 + 8 * i + 2 * q + e;
-        if (r < p.rows) y[r] = from_f32<T>(p.alpha * acc[i * 4 + h * 2 + e] + bias + residual_at(p, r, w));
-      }
-  }
-}
 
 // An N:M family as one number, for the family lists of with_family_of.
 constexpr int family_code(int n, int m) { return n * 64 + m; }
@@ -197,34 +177,89 @@ __device__ __forceinline__ void split_steps(int64_t positions, int& begin, int& 
   end = static_cast<int>(min(first + per * kGroup, steps));
 }
 
-// With K split over a cluster: every block puts its accumulators into its own shared memory
-// (`scratch`, kThreads * kCount floats, free once the main loop is done) and block 0 adds its
-// peers' through distributed shared memory. Returns whether this block stores the tile. Threads
-// that hold no accumulators (`holds` false: a producer warp past the kThreads consumers) take
-// part in the barriers only.
-template <int kCount>
-__device__ __forceinline__ bool reduce_split(float (&acc)[kCount], uint8_t* scratch, bool holds = true) {
-  if (gridDim.z == 1) return true;
+// The epilogue of every warpgroup kernel: writes the block's [kRows x kTileW] output tile (alpha,
+// bias and residual applied), summing the partial tiles of a cluster that split K.
+// * Every block puts its fp32 accumulators into its own shared memory (`scratch`, free once the
+//   main loop is done; kFinishBytes), row-major by activation row with a pitch of kTileW + 4 floats,
+//   so a warp's 32 stores of one accumulator land in 32 banks.
+// * Then every warp of the block (not only the consumers) takes whole activation rows, rank z of
+//   a cluster of S the rows z, z + S, ...: each lane reads 4 consecutive columns from every
+//   block's tile in rank order (its own, its peers' through distributed shared memory), adds them
+//   and writes the 4 outputs as one 8- or 16-byte store, a warp 256 or 512 contiguous bytes.
+// It replaced (session 32) a reduction where block 0 read all of its peers' tiles and then stored
+// the tile from the MMA fragments, 2 bytes a store spread over 4 output rows: fp16 1.04-1.17x at
+// 512 rows, 1.00-1.09x at 17-64 and 1.01-1.06x at 4096 (2:4, 2:8, 4:8 on LLaMA shapes); fp32
+// 0.98-1.04x (BENCHMARKS.md).
+// Accumulator i*4 + h*2 + e of a consumer thread holds weight row `row` (+ 8 for h = 1) of the
+// block, activation row 8i + 2q + e of its tile. Threads that hold no accumulators (`holds`
+// false) take part in the barriers and the stores.
+template <int kRows>
+constexpr size_t kFinishBytes = static_cast<size_t>(kRows) * (kTileW + 4) * 4;
+
+template <typename T, int kRows>
+__device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float (&acc)[kRows / 2], uint8_t* scratch,
+                                            bool holds, int64_t w0, int64_t r0, int row, int q) {
+  constexpr int kPitch = kTileW + 4;
   namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  float* mine = reinterpret_cast<float*>(scratch);
+  float* tile = reinterpret_cast<float*>(scratch);
   cp_async_wait<0>();
   __syncthreads();  // nobody reads the stage ring any more
-  const unsigned rank = cluster.block_rank();
-  if (rank != 0 && holds) {
+  if (holds) {
 #pragma unroll
-    for (int i = 0; i < kCount; ++i) mine[i * kThreads + threadIdx.x] = acc[i];
+    for (int i = 0; i < kRows / 8; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) tile[(8 * i + 2 * q + e) * kPitch + row + 8 * h] = acc[i * 4 + h * 2 + e];
   }
-  cluster.sync();  // the partial tiles are written
-  if (rank == 0 && holds) {
-    for (unsigned r = 1; r < cluster.num_blocks(); ++r) {
-      const float* peer = cluster.map_shared_rank(mine, r);
+  const bool split = gridDim.z > 1;
+  const int splits = static_cast<int>(gridDim.z);
+  const int rank = split ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
+  if (split)
+    cg::this_cluster().sync();  // the partial tiles are written
+  else
+    __syncthreads();
+  const int lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
+  const int col = 4 * lane;
+  const int64_t w = w0 + col;
+  float bias[4];
 #pragma unroll
-      for (int i = 0; i < kCount; ++i) acc[i] += peer[i * kThreads + threadIdx.x];
+  for (int j = 0; j < 4; ++j) bias[j] = p.bias && w + j < p.nout ? to_f32(p.bias[w + j]) : 0.f;
+  // The 4 columns as one vector store where they are in one output part, inside Nout and aligned.
+  const OutputColumn<T> first = p.y.column(w), last = p.y.column(w + 3);
+  const bool whole = w + 3 < p.nout && last.y == first.y + 3;
+  for (int r = rank + splits * static_cast<int>(threadIdx.x >> 5); r < kRows; r += splits * warps) {
+    const int64_t out_row = r0 + r;
+    if (out_row >= p.rows) break;
+    float4 sum;
+    for (int z = 0; z < splits; ++z) {  // in rank order, as the reduction before this one summed them
+      const float* from = z == rank ? tile : cg::this_cluster().map_shared_rank(tile, z);
+      const float4 v = *reinterpret_cast<const float4*>(from + r * kPitch + col);
+      if (z == 0)
+        sum = v;
+      else
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+    T out[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float residual = w + j < p.nout ? residual_at(p, out_row, w + j) : 0.f;
+      out[j] = from_f32<T>(p.alpha * v[j] + bias[j] + residual);
+    }
+    T* dst = &first[out_row];
+    using Vec = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
+    if (whole && reinterpret_cast<uintptr_t>(dst) % sizeof(Vec) == 0) {
+      Vec packed;
+      memcpy(&packed, out, sizeof(Vec));
+      *reinterpret_cast<Vec*>(dst) = packed;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (w + j < p.nout) p.y.column(w + j)[out_row] = out[j];
     }
   }
-  cluster.sync();  // peers' shared memory must outlive the reads above
-  return rank == 0;
+  if (split) cg::this_cluster().sync();  // peers' shared memory must outlive the reads above
 }
 
 // Calls launch(std::true_type{}) to start a grid of kRows-row activation tiles, `splits` blocks
@@ -242,7 +277,7 @@ cudaError_t launch_early_or_not(const PathParams<T>& p, int splits, Launch&& lau
 
 // Launches a warpgroup kernel with kRows-row activation tiles and kSmem bytes of dynamic shared
 // memory: weight tiles along x, activation tiles along y, and `splits` blocks of a cluster along
-// z splitting K (the kernel then calls split_steps and reduce_split). The kernel takes p and then
+// z splitting K (the kernel then calls split_steps and finish_tile). The kernel takes p and then
 // `extra` (kBlockThreads: the kThreads consumers plus any producer warps). `pdl`: as a
 // programmatic dependent launch (see launch_split_k), for kernels that wait for the previous one
 // themselves.
