@@ -141,7 +141,8 @@ bool offsets_map(CUtensorMap* map, const PathParams<T>& p, int words) {
 
 // The maps of a kernel that copies a step's [kRows x kBK] activation tile (128-byte swizzle) and
 // its packed values as laid out in the format (no swizzle, F::kEntries a row; PackedLoader's
-// layout), the offset words going by cp.async (copy_offset_words); false where the driver refuses.
+// layout); false where the driver refuses. The offset words have their own map where they go by
+// tensor copy (offsets_map), else copy_offset_words.
 template <typename F, int kRows, typename T>
 bool packed_maps(TileMaps* maps, const PathParams<T>& p) {
   return tile_map(&maps->x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) &&

@@ -12,6 +12,7 @@
 
 #include "common.cuh"
 #include "kernels.cuh"
+#include "split_k.cuh"
 #include "wgmma_ops.cuh"
 
 namespace nmcli {
@@ -222,12 +223,13 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
   const int lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
   const int col = 4 * lane;
   const int64_t w = w0 + col;
-  float bias[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) bias[j] = p.bias && w + j < p.nout ? to_f32(p.bias[w + j]) : 0.f;
-  // The 4 columns as one vector store where they are in one output part, inside Nout and aligned.
+  // The 4 columns as one vector store where they are in one output part, inside Nout and aligned;
+  // else one at a time (store_output).
   const OutputColumn<T> first = p.y.column(w), last = p.y.column(w + 3);
   const bool whole = w + 3 < p.nout && last.y == first.y + 3;
+  float bias[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) bias[j] = whole && p.bias ? to_f32(p.bias[w + j]) : 0.f;
   for (int r = rank + splits * static_cast<int>(threadIdx.x >> 5); r < kRows; r += splits * warps) {
     const int64_t out_row = r0 + r;
     if (out_row >= p.rows) break;
@@ -241,22 +243,18 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
         sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
     }
     const float v[4] = {sum.x, sum.y, sum.z, sum.w};
-    T out[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float residual = w + j < p.nout ? residual_at(p, out_row, w + j) : 0.f;
-      out[j] = from_f32<T>(p.alpha * v[j] + bias[j] + residual);
-    }
     T* dst = &first[out_row];
     using Vec = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
     if (whole && reinterpret_cast<uintptr_t>(dst) % sizeof(Vec) == 0) {
+      T out[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[j] = from_f32<T>(p.alpha * v[j] + bias[j] + residual_at(p, out_row, w + j));
       Vec packed;
       memcpy(&packed, out, sizeof(Vec));
       *reinterpret_cast<Vec*>(dst) = packed;
     } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (w + j < p.nout) p.y.column(w + j)[out_row] = out[j];
+      for (int j = 0; j < 4; ++j) store_output<T>(p, out_row, w + j, v[j]);
     }
   }
   if (split) cg::this_cluster().sync();  // peers' shared memory must outlive the reads above
