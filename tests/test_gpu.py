@@ -72,7 +72,9 @@ def paths_for(rows, pattern, dtype_name, k):
                                          # decode: activations staged in several K chunks; many row tiles per block
                                          (1, 60000, 40), (16, 9000, 70), (2, 512, 20001), (4, 4100, 9000),
                                          # wgmma: 64-, 128- and 256-row activation tiles, partial K steps
-                                         (600, 4104, 130), (300, 136, 8000), (700, 264, 17000)])
+                                         (600, 4104, 130), (300, 136, 8000), (700, 264, 17000),
+                                         # K split three ways over a cluster, the last block fewer steps
+                                         (40, 1800, 520)])
 def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
     pattern = NMPattern(n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)

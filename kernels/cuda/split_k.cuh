@@ -1,14 +1,45 @@
 // Split-K over a thread-block cluster (sm_90), shared by the mma path (mma.cu) and the vector-wise
 // path (vector.cu): the blocks of a cluster walk slices of one tile's K, write their
 // partial tiles to their own shared memory, and sum them through distributed shared memory, so
-// there is no workspace and no second kernel.
+// there is no workspace and no second kernel. The warpgroup kernels (wgmma_tile.cuh) share the
+// stores and the count of clusters that run at once.
 #pragma once
 #include <cooperative_groups.h>
+
+#include <algorithm>
 
 #include "common.cuh"
 #include "kernels.cuh"
 
 namespace nmcli {
+
+// Clusters of `split` blocks of kKernel that the device runs at once, one block per SM (cached
+// per device and split). Clusters must fit in one GPC, so this is less than SMs / split: 15
+// clusters of 8 on the H100 (132 SMs).
+template <auto kKernel>
+int64_t active_clusters(int split, int threads, int smem_bytes) {
+  static int known[64][9] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return multiprocessor_count() / split;
+  int& count = known[device][split];
+  if (count == 0) {
+    cudaLaunchAttribute cluster = {};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 1, cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = static_cast<unsigned>(split);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(1, 1, static_cast<unsigned>(split));
+    config.blockDim = dim3(static_cast<unsigned>(threads));
+    config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&count, kKernel, &config) != cudaSuccess || count <= 0) {
+      (void)cudaGetLastError();  // not the launch's error
+      count = std::max(1, multiprocessor_count() / split);
+    }
+  }
+  return count;
+}
 
 // Writes output (row, col) = alpha * v + bias + residual, skipping positions past the ends.
 template <typename T>

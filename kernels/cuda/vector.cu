@@ -314,34 +314,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) vector_kernel(PathParams<T>
   if (split) reduce_cluster<T, kRows, kCols, Tile::kThreads>(p, partial, row0, col0);
 }
 
-// Clusters of `split` blocks of kKernel that the device runs at once, one block per SM (cached
-// per device and split). Clusters must fit in one GPC, so this is less than SMs / split: 15
-// clusters of 8 on the H100 (132 SMs).
-template <auto kKernel>
-int64_t active_clusters(int split, int threads, int smem_bytes) {
-  static int known[64][9] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return multiprocessor_count() / split;
-  int& count = known[device][split];
-  if (count == 0) {
-    cudaLaunchAttribute cluster = {};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 1, cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = static_cast<unsigned>(split);
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(1, 1, static_cast<unsigned>(split));
-    config.blockDim = dim3(static_cast<unsigned>(threads));
-    config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&count, kKernel, &config) != cudaSuccess || count <= 0) {
-      (void)cudaGetLastError();  // not the launch's error
-      count = std::max(1, multiprocessor_count() / split);
-    }
-  }
-  return count;
-}
-
 // Blocks of a cluster that split each tile's K (1 = no split), only where the tiles alone leave
 // SMs idle: splitting grids of several waves (4096 x 4096 x 11008) ran 1.08-1.29x slower. Of 1,
 // 2, 4 and 8 it takes the least waves x stages per block, a wave being as many clusters as run at

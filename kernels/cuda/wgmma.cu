@@ -86,6 +86,7 @@ struct Layout {
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // + kWordBytes by tensor copy
   static_assert(kStages >= 3, "the copies run at least one step ahead of the two steps in the MMAs");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits before the barriers");
+  static_assert(kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
 };
 
 __device__ __forceinline__ void st_shared_zero(uint32_t addr, std::integral_constant<int, 8>) {
@@ -364,7 +365,7 @@ template <typename T>
 cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_family, [&](auto kN, auto kM) {
     const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
-    return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, {}, [&](auto rows, int splits) {
+    return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, sm90::kSparseSplits, [&](auto rows, int splits) {
       return launch_expanded<T, kN(), kM(), rows()>(p, stream, splits);
     });
   });

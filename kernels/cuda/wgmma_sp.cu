@@ -72,6 +72,7 @@ struct SpLayout {
   static constexpr uint32_t kGroupWordBytes = static_cast<uint32_t>(kGroup * kMeta);  // + a group's offset words
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group's copies fly");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
+  static_assert(kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
 };
 
 // Threads that regroup the tiles of a 1:4, 2:8 or 1:8 kernel (BENCHMARKS.md, sessions 18 and 25).
@@ -444,6 +445,7 @@ struct RegroupLayout {
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group is copied and regrouped");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
+  static_assert(kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
 };
 
 
@@ -589,7 +591,7 @@ template <typename T>
 cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_sp_family, [&](auto kN, auto kM) {
     const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
-    return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, {}, [&](auto rows, int splits) {
+    return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, sm90::kSparseSplits, [&](auto rows, int splits) {
       if constexpr (kN() == 2 && kM() == 4)
         return launch_two_of_four<T, rows()>(p, stream, splits);
       else

@@ -7,6 +7,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -106,17 +107,6 @@ cudaError_t run_family(const PathParams<T>& p, WithFamily&& with_family, Launch&
   }
 }
 
-// Blocks of a cluster that split each tile's K steps (1 = no split): 2 when the tiles leave at
-// least half the SMs idle and each block keeps at least 2 of `units`. Allowing 4 made
-// launch_split pick 4-way splits of 128- and 256-row tiles at 128 and 256 rows, 1.05-1.9x slower
-// than the 2-way splits of 64-row tiles before (BENCHMARKS.md, session 10); at 17 and 64 rows
-// 4-way splits of the one 64-row tile were 0.73-0.91x of 2-way with N = 4096 (session 11), and
-// 0.67-0.84x again with the TMA-fed 2:4 kernel (session 18).
-inline int k_splits(int64_t tiles, int64_t units) {
-  const int64_t split = std::min<int64_t>({2, multiprocessor_count() / std::max<int64_t>(tiles, 1), units / 2});
-  return static_cast<int>(std::max<int64_t>(1, split));
-}
-
 // An activation-tile width a kernel is compiled for, and the cost of one of its steps relative to
 // a 64-row step.
 struct TileCost {
@@ -128,23 +118,49 @@ struct TileCost {
 // session 10.
 constexpr TileCost kSparseTiles[] = {{256, 1.5}, {128, 1.2}, {64, 1.0}};
 
-// Which K splits launch_split weighs. `any_grid` 0: a 2-way split where the tiles leave SMs idle
-// (k_splits). Else every split up to any_grid for any grid, each block keeping at least 8 steps (a
-// split also evens out a last wave that is mostly empty), each extra block of a split costing
-// `extra_steps` steps (the reduction through distributed shared memory, the cluster's barriers).
+// Which K splits launch_split weighs: up to `most` blocks of a cluster per tile, each block keeping
+// at least 8 steps, each extra block costing `extra_steps` steps (the reduction through distributed
+// shared memory, the cluster's barriers); only for grids whose tiles alone leave SMs idle unless
+// `any_grid`. `whole_sm`: the kernels' blocks each fill an SM (whole_sm_clusters counts a wave);
+// else a wave is taken as SMs / split clusters.
 struct SplitRule {
-  int any_grid = 0;
-  double extra_steps = 0.0;
+  int most;
+  double extra_steps;
+  bool any_grid;
+  bool whole_sm;
 };
+
+// The fp16/bf16 kernels' (wgmma_sp.cu, wgmma.cu) splits, from session 33's sweep (every width x
+// split 1-4 forced at 17-256 rows on 4096 x 4096, 11008 x 4096 and 14336 x 4096; 2:4, 2:8, 1:8, 4:8
+// and 8:16; BENCHMARKS.md): 3-way splits of the 32 tiles of N = 4096 ran 1.04-1.39x the 2-way
+// splits the rule allowed before at 17-128 rows (96 blocks instead of 64), and with these costs the
+// model's choice was the fastest at 72 of 75 points (2:4 on 4096 x 4096: 1.6-4.6% off at the other
+// three). 4-way splits of 32 tiles take two waves (below) and lost 1.3-1.5x.
+constexpr SplitRule kSparseSplits{3, 4.0, false, true};
+
+// A block with more than half of an SM's 228 KB of shared memory runs alone on its SM, and clusters
+// of such blocks must fit in one GPC: on the H100 (132 SMs) 66 clusters of 2 run at once, 39 of 3
+// and 30 of 4 (BENCHMARKS.md, session 28). Asked of the device once per split, with an empty
+// kernel of that size; the kernels that rely on it assert that their blocks are that large.
+constexpr size_t kWholeSmBytes = 116 * 1024;
+static __global__ void whole_sm_block() {}
+inline int64_t whole_sm_clusters(int split) {
+  if (split <= 1) return multiprocessor_count();
+  if (allow_dynamic_smem<whole_sm_block>(static_cast<int>(kWholeSmBytes)) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a launch's error
+    return multiprocessor_count() / split;
+  }
+  return active_clusters<whole_sm_block>(split, kThreads, static_cast<int>(kWholeSmBytes));
+}
 
 // The activation-tile width and K split of a call: the (width, split) with the least estimated
 // time, waves x (steps per block + the split's cost) x the step cost of that width (`tiles`,
 // widest first; ties go to the wider tile, which reads each weight tile fewer times, then to the
-// smaller split). For the sparse kernels (SplitRule{}), against "the widest tile that fills the
-// GPU" (the rule before it): 1.4-2.1x at 512 rows with N = 4096, 1.33-1.59x at 256 rows with
-// N >= 11008, 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md, session 10).
-// launch(std::integral_constant<int, kRows>, splits) starts the kernel; kWidths lists the widths
-// it compiles, which `tiles` must not go beyond.
+// smaller split), a wave being as many clusters as run at once. For the sparse kernels, against
+// "the widest tile that fills the GPU" (the rule before it): 1.4-2.1x at 512 rows with N = 4096,
+// 1.33-1.59x at 256 rows with N >= 11008, 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md,
+// session 10). launch(std::integral_constant<int, kRows>, splits) starts the kernel; kWidths lists
+// the widths it compiles, which `tiles` must not go beyond.
 template <int... kWidths, typename T, size_t kCount, typename Launch>
 cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], SplitRule rule,
                          Launch&& launch) {
@@ -153,11 +169,12 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
   double best = -1.0;
   for (const TileCost& tile : tiles) {
     const int64_t blocks = weight_tiles * ((p.rows + tile.rows - 1) / tile.rows);
-    const int most = rule.any_grid ? static_cast<int>(std::clamp<int64_t>(steps / 8, 1, rule.any_grid))
-                                   : k_splits(blocks, steps / 4);
-    for (int split = rule.any_grid ? 1 : most; split <= most; ++split) {
+    const int most = rule.any_grid || blocks < sms ? static_cast<int>(std::clamp<int64_t>(steps / 8, 1, rule.most)) : 1;
+    for (int split = 1; split <= most; ++split) {
       const double per_block = static_cast<double>((steps + split - 1) / split) + rule.extra_steps * (split - 1);
-      const double time = static_cast<double>((blocks * split + sms - 1) / sms) * per_block * tile.cost;
+      const double waves = rule.whole_sm ? std::ceil(static_cast<double>(blocks) / whole_sm_clusters(split))
+                                         : std::ceil(static_cast<double>(blocks * split) / sms);
+      const double time = waves * per_block * tile.cost;
       if (best < 0 || time < best) best = time, best_rows = tile.rows, best_split = split;
     }
   }
@@ -268,8 +285,8 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
 // was not measured there.
 template <int kRows, typename T, typename Launch>
 cudaError_t launch_early_or_not(const PathParams<T>& p, int splits, Launch&& launch) {
-  const bool early = use_pdl() && (p.nout + kTileW - 1) / kTileW * ((p.rows + kRows - 1) / kRows) * splits <=
-                                      multiprocessor_count();
+  const bool early = use_pdl() && (p.nout + kTileW - 1) / kTileW * ((p.rows + kRows - 1) / kRows) <=
+                                      whole_sm_clusters(splits);
   return early ? launch(std::true_type{}) : launch(std::false_type{});
 }
 
