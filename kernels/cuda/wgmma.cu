@@ -193,16 +193,6 @@ __device__ __forceinline__ void issue_step(float (&acc)[kRows / 2], uint32_t den
   sm90::fence_operands(acc);
 }
 
-// A position in a ring of kSize slots and the parity of its current pass.
-template <int kSize>
-struct RingSlot {
-  int slot = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void advance() {
-    if (++slot == kSize) slot = 0, phase ^= 1;
-  }
-};
-
 // kEarly: launched as a programmatic dependent (grids of one wave, sm90::launch_early_or_not), as
 // the sparse kernels are: the producer copies its first weight tiles before it waits for the
 // previous kernel.
@@ -273,8 +263,8 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
     sm90::produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
   } else if (!consumer) {
     const Scatter<kN, kM, kExpanders> scatter(threadIdx.x - kThreads);
-    RingSlot<S> stage;
-    RingSlot<D> dense;
+    sm90::RingSlot<S> stage;
+    sm90::RingSlot<D> dense;
     for (int t = begin; t < end; ++t) {
       sm90::mbarrier_wait(freed(dense.slot), dense.phase ^ 1);  // passes at once on a tile's first use
       scatter.zero(dense_at(dense.slot));
@@ -291,8 +281,8 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
 #pragma unroll
     for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
     sm90::fence_operands(acc);
-    RingSlot<S> stage;
-    RingSlot<D> dense;
+    sm90::RingSlot<S> stage;
+    sm90::RingSlot<D> dense;
     auto issue = [&] {
       sm90::mbarrier_wait(full(stage.slot), stage.phase);  // the activation tile
       sm90::mbarrier_wait(ready(dense.slot), dense.phase);

@@ -29,6 +29,21 @@ struct TileMaps {
   }
 };
 
+// A position in a ring of kSize stages and the parity of its current pass, the phase its barrier
+// waits expect. advance<kBy>() moves on by kBy stages, a divisor of kSize, so a move lands on the
+// ring's end exactly and wraps to the next pass.
+template <int kSize>
+struct RingSlot {
+  int slot = 0;
+  uint32_t phase = 0;
+  template <int kBy = 1>
+  __device__ __forceinline__ void advance() {
+    static_assert(kSize % kBy == 0, "moves land on the ring's end");
+    slot += kBy;
+    if (slot == kSize) slot = 0, phase ^= 1;
+  }
+};
+
 // The producer warp's schedule. Step t's copies go to stage t % S once the consumers released it
 // (`empty(s)`, phase parity): lane 0 tells the stage's `full` barrier the bytes(s) its tensor
 // copies bring and issues them, activations(s, t) and values(s, t) (the weight tiles: values and,
@@ -41,8 +56,8 @@ template <int S, bool kEarly, typename Bytes, typename Full, typename Empty, typ
           typename Offsets>
 __device__ __forceinline__ void produce(int begin, int end, int lane, Bytes&& bytes, Full&& full, Empty&& empty,
                                         Activations&& activations, Values&& values, Offsets&& offsets) {
-  int s = 0, t = begin;
-  uint32_t phase = 0;
+  RingSlot<S> stage;
+  int t = begin;
   if constexpr (kEarly) {
     const int ahead = min(end - begin, S);
     for (int i = 0; i < ahead; ++i) {
@@ -55,17 +70,18 @@ __device__ __forceinline__ void produce(int begin, int end, int lane, Bytes&& by
     wait_for_previous_kernel();
     if (lane == 0)
       for (int i = 0; i < ahead; ++i) activations(i, begin + i);
-    s = ahead % S, t = begin + ahead, phase = ahead == S;  // the stages filled ahead wrapped the ring once
+    stage.slot = ahead % S, t = begin + ahead, stage.phase = ahead == S;  // the stages filled ahead wrapped the ring once
   }
   for (; t < end; ++t) {
-    mbarrier_wait(empty(s), phase ^ 1);  // passes at once on a stage's first use
+    const int s = stage.slot;
+    mbarrier_wait(empty(s), stage.phase ^ 1);  // passes at once on a stage's first use
     if (lane == 0) {
       mbarrier_arrive_expect_tx(full(s), bytes(s));
       activations(s, t);
       values(s, t);
     }
     offsets(s, t);
-    if (++s == S) s = 0, phase ^= 1;
+    stage.advance();
   }
 }
 

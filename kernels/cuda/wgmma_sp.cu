@@ -131,13 +131,12 @@ __device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int 
                                         int wg, int lane, ReadStep&& read_step) {
   constexpr int S = L::kStages, G = L::kGroup, H = G / 2;
   static_assert(G % 2 == 0, "groups of two halves");
-  int s = 0;  // the group's first stage: groups never wrap around the ring (S is a multiple of G)
-  uint32_t phase = 0;
+  sm90::RingSlot<S> group;  // the group's first stage: groups never wrap around the ring (S is a multiple of G)
   uint32_t meta[2][H][kMetaWords];
   auto start = [&](uint32_t (&m)[H][kMetaWords], int half) {  // reads a half's metadata, issues its MMAs
 #pragma unroll
-    for (int i = 0; i < H; ++i) read_step(m[i], s, half * H + i, phase);
-    issue_steps<L, H, kRows, kBf16>(acc, ring + static_cast<uint32_t>((s + half * H) * L::kStage), wg, m);
+    for (int i = 0; i < H; ++i) read_step(m[i], group.slot, half * H + i, group.phase);
+    issue_steps<L, H, kRows, kBf16>(acc, ring + static_cast<uint32_t>((group.slot + half * H) * L::kStage), wg, m);
   };
   auto retire = [&](int stage, auto pending) {  // the half at `stage`, once `pending` halves are left in flight
     sm90::wgmma_wait<decltype(pending)::value>();
@@ -148,17 +147,16 @@ __device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int 
   if (begin >= end) return;  // never with the splits launch_split picks; kept so a bad split cannot hang
   start(meta[0], 0);
   start(meta[1], 1);
-  retire(s, One{});
-  int last = s + H;  // the stage of the previous group's second half
-  s += G;
-  if (s == S) s = 0, phase ^= 1;
+  retire(group.slot, One{});
+  int last = group.slot + H;  // the stage of the previous group's second half
+  group.template advance<G>();
   for (int t = begin + G; t < end; t += G) {
     start(meta[0], 0);
     retire(last, One{});
     start(meta[1], 1);
-    retire(s, One{});
-    last = s + H, s += G;
-    if (s == S) s = 0, phase ^= 1;
+    retire(group.slot, One{});
+    last = group.slot + H;
+    group.template advance<G>();
   }
   retire(last, std::integral_constant<int, 0>{});
 }
@@ -516,15 +514,15 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     // Regrouping thread i writes the chunks and metadata words of consumer threads i,
     // i + kRegroupThreads, ... (regroup_share), where those threads read them.
     const int i = threadIdx.x - kThreads;
-    int s = 0;
-    uint32_t phase = 0;
+    sm90::RingSlot<S> stage;
     for (int t = begin; t < end; ++t) {
-      sm90::mbarrier_wait(full(s), phase);
+      const int s = stage.slot;
+      sm90::mbarrier_wait(full(s), stage.phase);
       uint8_t* a_tile = smem + s * L::kStage + L::kX;
       regroup_share<kN, kM, kRegroupThreads<kN, kRows>>(packed(s), t, i, a_tile, meta(s), table);
       sm90::fence_async_proxy();  // the MMAs read the 2:4 tile through the async proxy
       sm90::mbarrier_arrive(ready(s));
-      if (++s == S) s = 0, phase ^= 1;
+      stage.advance();
     }
   } else {
 #pragma unroll
