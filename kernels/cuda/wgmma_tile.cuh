@@ -132,10 +132,11 @@ struct SplitRule {
 
 // The fp16/bf16 kernels' (wgmma_sp.cu, wgmma.cu) splits, from session 33's sweep (every width x
 // split 1-4 forced at 17-256 rows on 4096 x 4096, 11008 x 4096 and 14336 x 4096; 2:4, 2:8, 1:8, 4:8
-// and 8:16; BENCHMARKS.md): 3-way splits of the 32 tiles of N = 4096 ran 1.04-1.39x the 2-way
-// splits the rule allowed before at 17-128 rows (96 blocks instead of 64), and with these costs the
-// model's choice was the fastest at 72 of 75 points (2:4 on 4096 x 4096: 1.6-4.6% off at the other
-// three). 4-way splits of 32 tiles take two waves (below) and lost 1.3-1.5x.
+// and 8:16; BENCHMARKS.md): with these costs the model's choice was the fastest at 72 of 75 points
+// (2:4 on 4096 x 4096 at 17, 32 and 128 rows: 1.6-4.6% off). Against the rule before, which split
+// only 2 ways: 1.04-1.39x at 17-128 rows with N = 4096 (3-way splits, 96 blocks instead of 64), but
+// 0.97-1.04x for 2:4 on 4096 x 4096; 1.00-1.08x at 256 rows. 4-way splits of 32 tiles take two waves
+// (below) and ran 1.30-1.51x slower than 3-way ones.
 constexpr SplitRule kSparseSplits{3, 4.0, false, true};
 
 // A block with more than half of an SM's 228 KB of shared memory runs alone on its SM, and clusters
