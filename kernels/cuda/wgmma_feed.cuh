@@ -70,7 +70,8 @@ __device__ __forceinline__ void produce(int begin, int end, int lane, Bytes&& by
     wait_for_previous_kernel();
     if (lane == 0)
       for (int i = 0; i < ahead; ++i) activations(i, begin + i);
-    stage.slot = ahead % S, t = begin + ahead, stage.phase = ahead == S;  // the stages filled ahead wrapped the ring once
+    t = begin + ahead;
+    stage.slot = ahead % S, stage.phase = ahead == S;  // the stages filled ahead wrapped the ring once
   }
   for (; t < end; ++t) {
     const int s = stage.slot;

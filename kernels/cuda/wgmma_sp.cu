@@ -589,12 +589,13 @@ template <typename T>
 cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_sp_family, [&](auto kN, auto kM) {
     const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
-    return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, sm90::kSparseSplits, [&](auto rows, int splits) {
+    const auto launch = [&](auto rows, int splits) {
       if constexpr (kN() == 2 && kM() == 4)
         return launch_two_of_four<T, rows()>(p, stream, splits);
       else
         return launch_regrouped<T, kN(), kM(), rows()>(p, stream, splits);
-    });
+    };
+    return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, sm90::kSparseSplits, launch);
   });
 }
 

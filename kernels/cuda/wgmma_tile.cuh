@@ -135,7 +135,7 @@ struct SplitRule {
 // and 8:16; BENCHMARKS.md): with these costs the model's choice was the fastest at 72 of 75 points
 // (2:4 on 4096 x 4096 at 17, 32 and 128 rows: 1.6-4.6% off). Against the rule before, which split
 // only 2 ways: 1.04-1.39x at 17-128 rows with N = 4096 (3-way splits, 96 blocks instead of 64), but
-// 0.97-1.04x for 2:4 on 4096 x 4096; 1.00-1.08x at 256 rows. 4-way splits of 32 tiles take two waves
+// 0.97-1.04x for 2:4 on 4096 x 4096; 0.99-1.08x at 256 rows. 4-way splits of 32 tiles take two waves
 // (below) and ran 1.30-1.51x slower than 3-way ones.
 constexpr SplitRule kSparseSplits{3, 4.0, false, true};
 
