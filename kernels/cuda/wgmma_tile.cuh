@@ -136,7 +136,8 @@ struct SplitRule {
 // (2:4 on 4096 x 4096 at 17, 32 and 128 rows: 1.6-4.6% off). Against the rule before, which split
 // only 2 ways: 1.04-1.39x at 17-128 rows with N = 4096 (3-way splits, 96 blocks instead of 64), but
 // 0.97-1.04x for 2:4 on 4096 x 4096; 0.99-1.08x at 256 rows. 4-way splits of 32 tiles take two waves
-// (below) and ran 1.30-1.51x slower than 3-way ones.
+// (below) and ran 1.30-1.51x slower than 3-way ones; of 16 tiles (N = 2048) they fit in one and ran
+// 1.08-1.26x faster at 17-64 rows (run G), which this rule does not weigh yet.
 constexpr SplitRule kSparseSplits{3, 4.0, false, true};
 
 // A block with more than half of an SM's 228 KB of shared memory runs alone on its SM, and clusters
