@@ -320,14 +320,14 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) vector_kernel(PathParams<T>
 // once, with at least 4 stages per block; ties go to the smaller split. On the H100, with 16 tiles
 // (N = 4096, up to 64 rows), 8-way splits take two waves (15 clusters at once) and ran
 // 1.03-1.22x slower than 4-way ones (BENCHMARKS.md, session 22).
-template <auto kKernel>
-int k_split(int64_t tiles, int64_t steps, int threads, int smem_bytes) {
+template <typename T, typename Tile>
+int k_split(int64_t tiles, int64_t steps) {
   if (compute_capability() < 90 || tiles >= multiprocessor_count()) return 1;  // clusters; a full grid
   int best = 1;
   int64_t best_cost = steps;  // one wave of whole-K blocks
   for (const int split : {2, 4, 8}) {
     if (steps < 4 * split) break;
-    const int64_t clusters = active_clusters<kKernel>(split, threads, smem_bytes);
+    const int64_t clusters = active_clusters<vector_kernel<T, Tile>>(split, Tile::kThreads, Tile::kSmemBytes);
     const int64_t cost = (tiles + clusters - 1) / clusters * ((steps + split - 1) / split);
     if (cost < best_cost) best = split, best_cost = cost;
   }
@@ -343,9 +343,8 @@ cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((p.nout + kCols - 1) / kCols),
                   static_cast<unsigned>((p.rows + kRows - 1) / kRows));
   const int log2n = __builtin_ctz(p.n), log2m = __builtin_ctz(p.m);
-  const int splits =
-      k_split<kernel>(static_cast<int64_t>(grid.x) * grid.y, (p.groups * p.m + kPositions - 1) / kPositions, kThreads,
-                      kBytes);
+  const int64_t steps = (p.groups * p.m + kPositions - 1) / kPositions;
+  const int splits = k_split<T, Tile>(static_cast<int64_t>(grid.x) * grid.y, steps);
   if (splits == 1) {
     kernel<<<grid, kThreads, kBytes, stream>>>(p, log2n, log2m);
     return cudaGetLastError();
