@@ -47,8 +47,8 @@ class Point:
     def __init__(self, m, k, n, pattern, values, indices, l2_bytes):
         self.m, self.k, self.n, self.pattern = m, k, n, pattern
         self.dtype, size = values.dtype, values.element_size()
-        per_set = values.numel() * size + indices.numel() * 4 + (m * k + m * n) * size
-        self.sets = bench_kernels._sets_for(l2_bytes, per_set)
+        self.moved = values.numel() * size + indices.numel() * 4 + (m * k + m * n) * size  # bytes a call moves
+        self.sets = bench_kernels._sets_for(l2_bytes, self.moved)
         self.values = [values.clone() for _ in range(self.sets)]
         self.indices = [indices.clone() for _ in range(self.sets)]
         self.x = [torch.randn(m, k, device="cuda", dtype=self.dtype) for _ in range(self.sets)]
@@ -97,9 +97,8 @@ def main() -> None:
                 for _ in range(ROUNDS):
                     for name, module in builds.items():
                         runs[name].append(point.time_us(module, args.path))
+                moved = point.moved
                 del point
-                size = values.element_size()
-                moved = packed.values.size * size + packed.indices.size * 4 + (m * k + m * n) * size
                 cells = []
                 for name, times in runs.items():
                     us = float(np.median(times))
