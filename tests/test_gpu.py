@@ -74,7 +74,9 @@ def paths_for(rows, pattern, dtype_name, k):
                                          # wgmma: 64-, 128- and 256-row activation tiles, partial K steps
                                          (600, 4104, 130), (300, 136, 8000), (700, 264, 17000),
                                          # K split three ways over a cluster, the last block fewer steps
-                                         (40, 1800, 520)])
+                                         (40, 1800, 520),
+                                         # 5-8 ways (per family): 8 weight tiles, 7-way over 15 groups, 16 tiles
+                                         (40, 4104, 1000), (40, 3600, 1000), (40, 4104, 2000)])
 def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
     pattern = NMPattern(n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
@@ -111,9 +113,9 @@ def poisoned(packed):
 
 @pytest.mark.parametrize("n,m", [(1, 4), (2, 8), (1, 8), (1, 2), (2, 16), (1, 3)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (9, 1024, 2048), (16, 2048, 77), (17, 136, 3000),
-                                         (64, 4104, 1030), (100, 333, 2000), (600, 4104, 130), (300, 136, 8000),
-                                         (1100, 264, 3900)])
+@pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (9, 1024, 2048), (12, 4104, 1000), (16, 2048, 77),
+                                         (17, 136, 3000), (64, 4104, 1030), (100, 333, 2000), (600, 4104, 130),
+                                         (300, 136, 8000), (1100, 264, 3900)])
 def test_cuda_reads_the_two_of_four_copy_on_the_sparse_tensor_cores(rng, n, m, dtype_name, rows, k, nout):
     """Calls that carry a 2:4 copy of their weight: the sparse tensor-core path reads the copy,
     every other path the weight. Each call gets the tensor it must not read poisoned with NaN and

@@ -157,28 +157,32 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(8, 2, 4, 11008, 4096, "float16") == "decode"
     sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
     sp = "wgmma_sp" if sm90 else "mma"
-    # 9..16 rows: decode for N/M <= 1/4 while the activations are staged in one K chunk, else mma;
-    # 2:4 takes the sparse tensor cores (wgmma.mma_async.sp) there when its grid has 16 blocks.
-    assert _kernels.cuda_path(9, 2, 8, 4096, 4096, "float16") == "decode"
-    assert _kernels.cuda_path(16, 1, 8, 4096, 22016, "bfloat16") == "decode"
+    # 9..16 rows: 2:4, 1:4, 2:8 and 1:8 on the sparse tensor cores (wgmma.mma_async.sp) with 8 weight
+    # tiles (Nout >= 897); else decode for N/M <= 1/4 while the activations are staged in one K
+    # chunk, and mma.
+    assert _kernels.cuda_path(9, 2, 8, 4096, 4096, "float16") == ("wgmma_sp" if sm90 else "decode")
+    assert _kernels.cuda_path(16, 1, 8, 4096, 22016, "bfloat16") == ("wgmma_sp" if sm90 else "decode")
+    assert _kernels.cuda_path(9, 2, 8, 4096, 896, "float16") == "decode"  # 7 weight tiles
     assert _kernels.cuda_path(9, 2, 4, 4096, 4096, "float16") == sp
-    assert _kernels.cuda_path(16, 2, 4, 4096, 2048, "float16") == sp  # 16 blocks
-    assert _kernels.cuda_path(16, 2, 4, 1024, 1024, "float16") == "mma"  # 8 blocks: too few
-    assert _kernels.cuda_path(16, 2, 8, 11008, 4096, "float16") == "mma"
-    assert _kernels.cuda_path(16, 4, 16, 14336, 4096, "float16") == "mma"
-    # From 17 rows 2:4, 1:4, 2:8 and 1:8 take the sparse tensor cores with 16 blocks or more.
+    assert _kernels.cuda_path(16, 2, 4, 1024, 1024, "float16") == sp  # 8 weight tiles
+    assert _kernels.cuda_path(16, 2, 4, 4096, 896, "float16") == "mma"  # 7: too few
+    assert _kernels.cuda_path(16, 2, 8, 11008, 4096, "float16") == sp
+    assert _kernels.cuda_path(16, 2, 8, 11008, 896, "float16") == "mma"  # K in two decode chunks
+    assert _kernels.cuda_path(16, 4, 16, 14336, 4096, "float16") == "mma"  # the expanding kernel from 17 rows
+    # From 17 rows 2:4, 1:4, 2:8 and 1:8 take the sparse tensor cores with 8 weight tiles or 16 blocks.
     assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float16") == sp
     assert _kernels.cuda_path(127, 1, 8, 4096, 4096, "bfloat16") == sp
-    assert _kernels.cuda_path(64, 1, 4, 4096, 1024, "float16") == "mma"  # 8 blocks
-    assert _kernels.cuda_path(256, 2, 8, 1024, 1024, "float16") == sp  # 32 blocks
+    assert _kernels.cuda_path(64, 1, 4, 4096, 1024, "float16") == sp  # 8 weight tiles
+    assert _kernels.cuda_path(64, 1, 4, 4096, 896, "float16") == "mma"  # 7 weight tiles, 7 blocks
+    assert _kernels.cuda_path(256, 2, 8, 1024, 512, "float16") == sp  # 16 blocks
     # The expanding warpgroup (wgmma) path for the other families on compute capability 9.0:
-    # from 17 rows with 16 weight tiles (Nout >= 1921), else from 128 rows with 16 blocks.
+    # from 17 rows with 8 weight tiles (Nout >= 897), else from 128 rows with 16 blocks.
     assert _kernels.cuda_path(4096, 4, 16, 4096, 4096, "bfloat16") == ("wgmma" if sm90 else "mma")
     assert _kernels.cuda_path(17, 4, 8, 4096, 4096, "float16") == ("wgmma" if sm90 else "mma")
-    assert _kernels.cuda_path(17, 4, 16, 4096, 2048, "float16") == ("wgmma" if sm90 else "mma")  # 16 weight tiles
-    assert _kernels.cuda_path(17, 4, 16, 4096, 1920, "float16") == "mma"  # 15 weight tiles
-    assert _kernels.cuda_path(127, 4, 8, 4096, 1024, "float16") == "mma"  # 8 weight tiles
-    assert _kernels.cuda_path(128, 4, 8, 4096, 1024, "float16") == ("wgmma" if sm90 else "mma")  # 8 x 2 blocks
+    assert _kernels.cuda_path(17, 4, 16, 4096, 1024, "float16") == ("wgmma" if sm90 else "mma")  # 8 weight tiles
+    assert _kernels.cuda_path(17, 4, 16, 4096, 896, "float16") == "mma"  # 7 weight tiles
+    assert _kernels.cuda_path(127, 4, 8, 4096, 896, "float16") == "mma"  # 7 x 2 blocks
+    assert _kernels.cuda_path(129, 4, 8, 4096, 896, "float16") == ("wgmma" if sm90 else "mma")  # 7 x 3 blocks
     assert _kernels.cuda_path(128, 4, 16, 1024, 512, "float16") == "mma"  # 4 x 2 wgmma blocks: too few
     assert _kernels.cuda_path(4096, 2, 8, 4100, 4096, "float16") == "mma"  # K % 8 != 0: no 16-byte copies
     # fp32 element-wise: the 3xTF32 warpgroup kernel from 9 rows, for M a power of two up to 32

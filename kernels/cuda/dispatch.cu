@@ -2,25 +2,29 @@
 //
 // Rule (measured crossovers in BENCHMARKS.md, session 3: nmcli_bench --path decode|mma on
 // LLaMA shapes at 1..32 rows; session 5: --path mma|wgmma at 64..4096 rows; session 11:
-// --path mma|wgmma_sp at 8..256 rows on the LLaMA and nmSPARSE shapes):
+// --path mma|wgmma_sp at 8..256 rows on the LLaMA and nmSPARSE shapes; session 34: decode, mma
+// and wgmma_sp at 1..16 rows and the warpgroup paths on N = 1024 and 2048):
 //  * 1..8 rows: the decode path.
 //  * 2:4, 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, compute capability 9.0): the sparse tensor
-//    cores (wgmma_sp.cu) from 17 rows, and from 9 rows for 2:4, when the grid of smallest tiles
-//    (64 activation rows x 128 weight rows) has at least 16 blocks. Session 11: 1.24-4.6x the
-//    mma path at 17-96 rows on every LLaMA shape, 1.40-1.84x for 2:4 at 16 rows; with 8 blocks
-//    (Nout = 1024 below 128 rows) the mma path stays ahead (0.66-0.91x), with 16 it is behind
-//    (1.20-1.53x). At 9..16 rows 2:8, 1:8 and 1:4 keep the rule below (at 16 rows decode or
-//    mma were ahead of or level with wgmma_sp on 3 of 5 LLaMA shapes for 2:8 and 4 of 5 for
-//    1:8; at 12 rows mma was ahead for 1:4 on 3 of 5).
+//    cores (wgmma_sp.cu) from 9 rows where the output has at least 8 weight tiles (Nout > 896)
+//    or the grid of smallest tiles (64 activation rows x 128 weight rows) at least 16 blocks.
+//    Session 34, with K split up to 8 ways (sm90::launch_split): against the rule before
+//    (scripts/ab_kernels.py --path auto, both builds in one process), 1.02-1.88x at 9 and 16 rows
+//    for 2:8, 1:8 and 1:4 on the five LLaMA shapes (decode or mma before; scratch/small34.py
+//    found wgmma_sp ahead of both at 9-16 rows at every point it timed); on N = 1024 (4096 and
+//    8192 x 1024) 1.90-2.99x at 9-16 rows, 2:4 2.43-3.22x, and 1.89-3.01x at 17-64 rows, where
+//    the mma path ran before. Until session 34 the rule was session 11's: from 17 rows, 2:4 from
+//    9, with 16 blocks; at 9..16 rows decode or mma were then ahead of or level with wgmma_sp on
+//    3 of 5 LLaMA shapes for 2:8 and 4 of 5 for 1:8, and 8 blocks kept the mma path (0.66-0.91x).
+//    At 8 rows decode stays: wgmma_sp was 1.24-1.76x faster on N = 1024 but slower on 4096 x 4096.
 //  * The families the expanding warpgroup kernel (wgmma.cu) compiles: from 17 rows where Nout
-//    gives at least 16 weight tiles (Nout > 1920), else from 128 rows when its grid of 64-row
-//    tiles has at least 16 blocks. Session 30 (the kernel fed by a producer warp, `nmcli bench
-//    kernels --shapes nmsparse --path mma|wgmma` at 17, 64, 128, 256 and 512 rows, 4:16, 4:8 and
-//    2:16): with 16 weight tiles wgmma ran 1.11-1.46x the mma path at 17-64 rows, with 32 or more
-//    1.65-8.01x at every row count; with 8 (Nout = 1024) 0.77-0.97x at 17-64 rows but 1.04-1.48x at 128 rows
-//    (16 blocks) and 2.15-3.90x at 256-512. Grids under 16 blocks were not measured and keep the
-//    mma path. (Until session 30: 32 weight tiles and 48 blocks, from session 5's and session
-//    28's kernels.)
+//    gives at least 8 weight tiles (Nout > 896), else from 128 rows when its grid of 64-row
+//    tiles has at least 16 blocks. Session 34 (splits up to 8 ways; ab_kernels --path auto on
+//    4096 and 8192 x 1024, 4:8, 4:16 and 2:16): 1.91-2.76x the mma path at 17-64 rows. Session 30
+//    (`nmcli bench kernels --shapes nmsparse --path mma|wgmma` at 17-512 rows, splits up to 2):
+//    with 16 weight tiles wgmma ran 1.11-1.46x the mma path at 17-64 rows, with 32 or more
+//    1.65-8.01x at every row count. Grids under 8 weight tiles and 16 blocks were not measured and
+//    keep the mma path.
 //  * From 9 rows otherwise the mma path where it applies (fp16/bf16, M in {2,4,8,16}; split-K
 //    over a cluster keeps small row counts fast), except at 9..16 rows for N/M <= 1/4 when the
 //    decode kernel stages the whole K at once (session 8, --path decode|mma at 12 and 16 rows:
@@ -36,7 +40,9 @@
 //    copy (`nmcli bench kernels --vector 32 --prefill-copy [--path wgmma_sp]`, 9-64 rows, same
 //    shapes): the vector path kept 1:8 up to 32 rows (copy 0.59-0.87x of it) and lost it from 48
 //    (1.01-1.27x); for 2:8 and 1:4 the copy ran 0.86-1.19x of the vector path at 9-32 rows (below
-//    1 mostly on 4096x14336) and 1.37-1.70x from 48, so those take the copy from 9 rows.
+//    1 mostly on 4096x14336) and 1.37-1.70x from 48, so those take the copy from 9 rows. Session
+//    34 (scratch/copy34.py, 9-16 rows on 4096 and 8192 x 1024, 2:8, 1:8, 1:4): the copy on the
+//    sparse tensor cores ran 1.77-3.00x the faster of decode and mma on the weight.
 //  * fp32, element-wise: the 3xTF32 warpgroup kernel (wgmma_tf32.cu) from 9 rows, for the families
 //    it compiles; else decode up to 16 rows and the tiled SIMT path above. Session 27
 //    (scratch/tf32.py: decode, tiled and wgmma timed in one process at 9-4096 rows on 4096x4096,
@@ -245,20 +251,19 @@ CudaPath choose_path(const CudaMatMul& call) {
   if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
   if (path_supported(call, CudaPath::vector) && (call.dtype == DType::f32 || vector16_takes(call)))
     return CudaPath::vector;
-  const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile *
-                               ((call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile);
-  // The sparse tensor cores from 17 rows (from 9 for 2:4, which the decode kernel never takes
-  // there) once the grid has kWgmmaSpMinBlocks blocks; their split-K keeps small grids busy.
-  const NMShape sparse = sparse_tensor_core_view(call).shape;
-  const bool two_of_four = sparse.n == 2 && sparse.m == 4;
+  const int64_t weight_tiles = (call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
+  const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile * weight_tiles;
+  const bool enough_tiles = weight_tiles >= kWgmmaWideTiles;
   // fp32 element-wise: the 3xTF32 warpgroup kernel from 9 rows.
   if (call.dtype == DType::f32 && path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
-  if ((call.rows > kDecodeMaxRows || two_of_four) && wgmma_blocks >= kWgmmaSpMinBlocks &&
-      path_supported(call, CudaPath::wgmma_sp))
-    return CudaPath::wgmma_sp;
-  const int64_t weight_tiles = (call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
-  const bool wgmma_grid = (call.rows > kDecodeMaxRows && weight_tiles >= kWgmmaWideTiles) ||
-                          (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks);
+  // The sparse tensor cores from 9 rows where the output has kWgmmaWideTiles weight tiles (their K
+  // splits, up to 8 blocks a tile, keep such grids busy) or the grid kWgmmaSpMinBlocks blocks; the
+  // expanding kernel from 17 rows with those weight tiles, else from kWgmmaCrossover rows on
+  // kWgmmaMinBlocks blocks.
+  const bool sparse_grid = enough_tiles || wgmma_blocks >= kWgmmaSpMinBlocks;
+  if (sparse_grid && path_supported(call, CudaPath::wgmma_sp)) return CudaPath::wgmma_sp;
+  const bool wgmma_grid =
+      (call.rows > kDecodeMaxRows && enough_tiles) || (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks);
   if (wgmma_grid && path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
   if (path_supported(call, CudaPath::mma)) {
     // 9..16 rows: the decode kernel still wins for the sparser patterns when it stages the

@@ -144,7 +144,7 @@ __device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int 
     release_steps<H>(empty0 + stage * 8, lane);
   };
   using One = std::integral_constant<int, 1>;
-  if (begin >= end) return;  // never with the splits launch_split picks; kept so a bad split cannot hang
+  if (begin >= end) return;  // never while a cluster has no more blocks than groups (split_steps); no hang
   start(meta[0], 0);
   start(meta[1], 1);
   retire(group.slot, One{});
@@ -595,7 +595,8 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
       else
         return launch_regrouped<T, kN(), kM(), rows()>(p, stream, splits);
     };
-    return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, sm90::kSparseSplits, launch);
+    constexpr sm90::SplitRule splits = kN() == 2 && kM() == 4 ? sm90::kTwoOfFourSplits : sm90::kSparseSplits;
+    return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, splits, launch);
   });
 }
 

@@ -285,7 +285,7 @@ constexpr auto with_tf32_family = [](int n, int m, auto&& fn) {
 // splits ran 1.36-1.46x 2-way ones at 17 rows with N = 4096 (96 blocks instead of 64); 4-way
 // splits lost (only 30 clusters of 4 whole-SM blocks fit at once on the H100, against 32 tiles).
 constexpr sm90::TileCost kTf32Tiles[] = {{128, 1.45}, {64, 1.0}, {32, 0.79}};
-constexpr sm90::SplitRule kTf32Splits{3, 4.0, true, false};
+constexpr sm90::SplitRule kTf32Splits{3, 4.0, true, false, false};
 
 }  // namespace
 

@@ -122,28 +122,43 @@ constexpr TileCost kSparseTiles[] = {{256, 1.5}, {128, 1.2}, {64, 1.0}};
 // at least 8 steps, each extra block costing `extra_steps` steps (the reduction through distributed
 // shared memory, the cluster's barriers); only for grids whose tiles alone leave SMs idle unless
 // `any_grid`. `whole_sm`: the kernels' blocks each fill an SM (whole_sm_clusters counts a wave);
-// else a wave is taken as SMs / split clusters.
+// else a wave is taken as SMs / split clusters. `one_wave` (with `whole_sm`): a split only where
+// all its clusters run at once.
 struct SplitRule {
   int most;
   double extra_steps;
   bool any_grid;
   bool whole_sm;
+  bool one_wave;
 };
 
-// The fp16/bf16 kernels' (wgmma_sp.cu, wgmma.cu) splits, from session 33's sweep (every width x
-// split 1-4 forced at 17-256 rows on 4096 x 4096, 11008 x 4096 and 14336 x 4096; 2:4, 2:8, 1:8, 4:8
-// and 8:16; BENCHMARKS.md): with these costs the model's choice was the fastest at 72 of 75 points
-// (2:4 on 4096 x 4096 at 17, 32 and 128 rows: 1.6-4.6% off). Against the rule before, which split
-// only 2 ways: 1.04-1.39x at 17-128 rows with N = 4096 (3-way splits, 96 blocks instead of 64), but
-// 0.97-1.04x for 2:4 on 4096 x 4096; 0.99-1.08x at 256 rows. 4-way splits of 32 tiles take two waves
-// (below) and ran 1.30-1.51x slower than 3-way ones; of 16 tiles (N = 2048) they fit in one and ran
-// 1.08-1.26x faster at 17-64 rows (run G), which this rule does not weigh yet.
-constexpr SplitRule kSparseSplits{3, 4.0, false, true};
+// The fp16/bf16 kernels' splits, up to 8 blocks (the portable cluster size), from sessions 33 and
+// 34's sweeps (every width x split forced at 17-256 rows on N = 1024, 2048 and 4096 with K = 1024
+// to 14336; 2:4, 2:8, 1:8, 4:8 and 8:16; BENCHMARKS.md; scored offline by scratch/sim34d.py). An
+// extra block costs the regrouping and expanding kernels (wgmma_sp.cu's regroup, wgmma.cu) about
+// nothing: with half a step the model's choice ran within 3% of the fastest forced one at 86 of 96
+// points (mean 0.7% off, worst 13%), where session 33's rule (up to 3 blocks, 4 steps each) was
+// within 3% at 60 of 90 (up to 2.0x off on N = 1024). The 2:4 kernel's steps are a third to a
+// quarter as long (4096 x 1024 at 17 rows: 0.16 us a step against 0.46 for 2:8 and 0.60 for 4:8,
+// from the 1- and 8-way times), so a fixed cost per block (the prologue, the reduction through
+// distributed shared memory) is worth 3-4 of its steps. With 3.5: within 3% at 25 of 33 points
+// (mean 2.2% off, worst 12%; session 33's rule: 19 of 30, worst 43%); with 3, 256-row tiles split
+// 3 ways took 4096 x 4096 at 256 rows, 0.89x the 128-row tiles split 2 ways before. Counting a
+// block's steps in the kernel's whole groups (split_steps; 4 steps for 2:4's narrower tiles), as
+// this model does not, it was within 3% at 30 of 33 (scratch/sim34c.py).
+// Every split that won in the sweeps fits in one wave; without that bound the model also sent the
+// 86 tiles of 4096 x 11008 at 17-128 rows to 4-way splits in 3 waves, which ran 0.82-0.85x (2:8)
+// and 0.89-0.93x (4:8) of the unsplit grid (session 34, run J): it does not weigh a wave's fill and
+// drain. So splits must fit in one wave.
+constexpr SplitRule kSparseSplits{8, 0.5, false, true, true};
+constexpr SplitRule kTwoOfFourSplits{8, 3.5, false, true, true};
 
 // A block with more than half of an SM's 228 KB of shared memory runs alone on its SM, and clusters
-// of such blocks must fit in one GPC: on the H100 (132 SMs) 66 clusters of 2 run at once, 39 of 3
-// and 30 of 4 (BENCHMARKS.md, session 28). Asked of the device once per split, with an empty
-// kernel of that size; the kernels that rely on it assert that their blocks are that large.
+// of such blocks must fit in one GPC: on the H100 (132 SMs) 66 clusters of 2 run at once, 39 of 3,
+// 30 of 4, 22 of 5, 17 of 6 and 15 of 7 or 8 (BENCHMARKS.md, sessions 28 and 34: the occupancy
+// query agreed with the first wave of 40 spinning clusters of each size). Asked of the device once
+// per split, with an empty kernel of that size; the kernels that rely on it assert that their
+// blocks are that large.
 constexpr size_t kWholeSmBytes = 116 * 1024;
 static __global__ void whole_sm_block() {}
 inline int64_t whole_sm_clusters(int split) {
@@ -173,6 +188,7 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
     const int64_t blocks = weight_tiles * ((p.rows + tile.rows - 1) / tile.rows);
     const int most = rule.any_grid || blocks < sms ? static_cast<int>(std::clamp<int64_t>(steps / 8, 1, rule.most)) : 1;
     for (int split = 1; split <= most; ++split) {
+      if (rule.one_wave && split > 1 && blocks > whole_sm_clusters(split)) continue;
       const double per_block = static_cast<double>((steps + split - 1) / split) + rule.extra_steps * (split - 1);
       const double waves = rule.whole_sm ? std::ceil(static_cast<double>(blocks) / whole_sm_clusters(split))
                                          : std::ceil(static_cast<double>(blocks * split) / sms);
@@ -187,14 +203,16 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
 
 // This block's steps [begin, end) over `positions` K positions (packed groups x M): steps of kStep
 // positions, rounded up to whole groups of kGroup steps (the extra steps copy zeros), all of them
-// unless a cluster of gridDim.z blocks splits them, in whole groups.
+// unless a cluster of gridDim.z blocks splits them: in whole groups, as evenly as they go (each block
+// floor or ceil of groups / z), so no block is left without steps while there are as many groups as
+// blocks (launch_split keeps 8 steps a block). Giving every block but the last ceil(groups / z), as
+// before session 34, leaves blocks empty: 15 groups over 7 blocks went 3, 3, 3, 3, 3, 0, 0.
 template <int kGroup, int kStep = kBK>
 __device__ __forceinline__ void split_steps(int64_t positions, int& begin, int& end) {
   const int64_t steps = ((positions + kStep - 1) / kStep + kGroup - 1) / kGroup * kGroup;
-  const int64_t groups = steps / kGroup, per = (groups + gridDim.z - 1) / gridDim.z;
-  const int64_t first = min(static_cast<int64_t>(blockIdx.z) * per, groups) * kGroup;
-  begin = static_cast<int>(first);
-  end = static_cast<int>(min(first + per * kGroup, steps));
+  const int64_t groups = steps / kGroup, splits = gridDim.z;
+  begin = static_cast<int>(static_cast<int64_t>(blockIdx.z) * groups / splits * kGroup);
+  end = static_cast<int>((static_cast<int64_t>(blockIdx.z) + 1) * groups / splits * kGroup);
 }
 
 // The epilogue of every warpgroup kernel: writes the block's [kRows x kTileW] output tile (alpha,
