@@ -124,8 +124,9 @@ constexpr TileCost kSparseTiles[] = {{256, 1.5}, {128, 1.2}, {64, 1.0}};
 // `any_grid`. `whole_sm`: the kernels' blocks each fill an SM (whole_sm_clusters counts a wave);
 // else a wave is taken as SMs / split clusters. `one_wave` (with `whole_sm`): a split only where
 // all its clusters run at once.
+constexpr int kMostBlocks = 8;  // the portable cluster size
 struct SplitRule {
-  int most;
+  int most;  // launch_split takes at most kMostBlocks
   double extra_steps;
   bool any_grid;
   bool whole_sm;
@@ -150,8 +151,8 @@ struct SplitRule {
 // 86 tiles of 4096 x 11008 at 17-128 rows to 4-way splits in 3 waves, which ran 0.82-0.85x (2:8)
 // and 0.89-0.93x (4:8) of the unsplit grid (session 34, run J): it does not weigh a wave's fill and
 // drain. So splits must fit in one wave.
-constexpr SplitRule kSparseSplits{8, 0.5, false, true, true};
-constexpr SplitRule kTwoOfFourSplits{8, 3.5, false, true, true};
+constexpr SplitRule kSparseSplits{kMostBlocks, 0.5, false, true, true};
+constexpr SplitRule kTwoOfFourSplits{kMostBlocks, 3.5, false, true, true};
 
 // A block with more than half of an SM's 228 KB of shared memory runs alone on its SM, and clusters
 // of such blocks must fit in one GPC: on the H100 (132 SMs) 66 clusters of 2 run at once, 39 of 3,
@@ -182,15 +183,24 @@ template <int... kWidths, typename T, size_t kCount, typename Launch>
 cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], SplitRule rule,
                          Launch&& launch) {
   const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
+  const int64_t most_blocks = std::min(rule.most, kMostBlocks);
   int best_rows = tiles[0].rows, best_split = 1;
   double best = -1.0;
+  // Clusters of each split that run at once (whole_sm), asked once per call: every width weighs
+  // the same splits.
+  int64_t at_once[kMostBlocks + 1] = {};
+  const auto clusters = [&](int split) {
+    if (at_once[split] == 0) at_once[split] = whole_sm_clusters(split);
+    return at_once[split];
+  };
   for (const TileCost& tile : tiles) {
     const int64_t blocks = weight_tiles * ((p.rows + tile.rows - 1) / tile.rows);
-    const int most = rule.any_grid || blocks < sms ? static_cast<int>(std::clamp<int64_t>(steps / 8, 1, rule.most)) : 1;
+    const bool may_split = rule.any_grid || blocks < sms;
+    const int most = may_split ? static_cast<int>(std::clamp<int64_t>(steps / 8, 1, most_blocks)) : 1;
     for (int split = 1; split <= most; ++split) {
-      if (rule.one_wave && split > 1 && blocks > whole_sm_clusters(split)) continue;
+      if (rule.one_wave && split > 1 && blocks > clusters(split)) continue;
       const double per_block = static_cast<double>((steps + split - 1) / split) + rule.extra_steps * (split - 1);
-      const double waves = rule.whole_sm ? std::ceil(static_cast<double>(blocks) / whole_sm_clusters(split))
+      const double waves = rule.whole_sm ? std::ceil(static_cast<double>(blocks) / clusters(split))
                                          : std::ceil(static_cast<double>(blocks * split) / sms);
       const double time = waves * per_block * tile.cost;
       if (best < 0 || time < best) best = time, best_rows = tile.rows, best_split = split;
