@@ -384,8 +384,9 @@ def bench_kernels(
     rows: List[int] = typer.Option([], "--rows", min=1, help="Activation row counts to time on the shapes' K x N, "
                                                            "instead of their own (repeatable)."),
     replays: int = typer.Option(20, "--replays", min=3, help="Timed graph replays per measurement (median)."),
-    path: str = typer.Option("auto", "--path", help="auto (the dispatch's choice), decode, mma, wgmma, wgmma_sp, "
-                                                   "vector or tiled; calls a forced path cannot run are skipped."),
+    path: str = typer.Option("auto", "--path", help="auto (the dispatch's choice), decode, decode_mma, mma, wgmma, "
+                                                   "wgmma_sp, vector or tiled; calls a forced path cannot run are "
+                                                   "skipped."),
     vector: int = typer.Option(0, "--vector", min=0, help="Prune the timed weights vector-wise, blocks of this many "
                                                          "columns (as prune --vector; the op is told so)."),
     prefill_copy: bool = typer.Option(False, "--prefill-copy", help="Give the calls a 2:4 copy of the weight where "
@@ -403,8 +404,8 @@ def bench_kernels(
         raise NmcliError(f"--dtype must be float16, bfloat16 or float32, not '{dtype}'")
     if shapes not in ("all", "llama", "nmsparse"):
         raise NmcliError(f"--shapes must be all, llama or nmsparse, not '{shapes}'")
-    if path not in ("auto", "decode", "mma", "wgmma", "wgmma_sp", "vector", "tiled"):
-        raise NmcliError(f"--path must be auto, decode, mma, wgmma, wgmma_sp, vector or tiled, not '{path}'")
+    if path not in ("auto", "decode", "decode_mma", "mma", "wgmma", "wgmma_sp", "vector", "tiled"):
+        raise NmcliError(f"--path must be auto, decode, decode_mma, mma, wgmma, wgmma_sp, vector or tiled, not '{path}'")
     check_vector(vector)
     torch = bk.require_gpu()
     todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse", rows)

@@ -60,7 +60,7 @@ def random_case(rng, pattern, rows, k, nout, dtype_name, vector=0):
 
 
 def paths_for(rows, pattern, dtype_name, k):
-    return ["auto"] + [p for p in ("decode", "mma", "wgmma", "wgmma_sp", "tiled")
+    return ["auto"] + [p for p in ("decode", "decode_mma", "mma", "wgmma", "wgmma_sp", "tiled")
                        if kernels.cuda_path_supported(p, rows, pattern.n, pattern.m, dtype_name, k)]
 
 
@@ -84,6 +84,22 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
     for path in paths_for(rows, pattern, dtype_name, k):
         [y] = run_cuda(x, packed, bias, 0.75, dtype_name, path)
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
+
+
+@pytest.mark.parametrize("n,m", [(1, 4), (2, 4), (1, 8), (2, 8)])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows,k,nout", [(1, 64, 16), (2, 1000, 1000), (4, 136, 4100), (7, 4104, 130), (8, 2048, 4097),
+                                         (9, 1024, 33), (13, 4096, 1030), (16, 3000, 257), (16, 4096, 4096)])
+def test_decode_mma_matches_reference(rng, n, m, dtype_name, rows, k, nout):
+    """The decode-sized tensor-core path (decode_mma.cu): 8- and 16-row kernels, fewer K steps than
+    warps (K = 64), steps not a multiple of the block's 8 warps, Nout not a multiple of its 16-column
+    tile, outputs poisoned."""
+    pattern = NMPattern(n, m)
+    assert kernels.cuda_path_supported("decode_mma", rows, n, m, dtype_name, k)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    [y] = run_cuda(x, packed, bias, 0.75, dtype_name, "decode_mma")
+    assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
 
 
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]
@@ -127,7 +143,7 @@ def test_cuda_reads_the_two_of_four_copy_on_the_sparse_tensor_cores(rng, n, m, d
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
     auto = kernels.cuda_path(rows, n, m, k, nout, dtype_name, 0, True)
     assert (auto == "wgmma_sp") == (kernels.cuda_path(rows, 2, 4, k, nout, dtype_name) == "wgmma_sp")
-    forced = [p for p in ("decode", "mma", "wgmma_sp", "tiled")
+    forced = [p for p in ("decode", "decode_mma", "mma", "wgmma_sp", "tiled")
               if kernels.cuda_path_supported(p, rows, n, m, dtype_name, k, 0, True)]
     for path in ["auto"] + forced:
         reads_copy = (auto if path == "auto" else path) == "wgmma_sp"
@@ -276,7 +292,7 @@ def test_cuda_paths_fuse_residual_and_prologue(rng, prologue, dtype_name, n, m, 
 
 
 @pytest.mark.parametrize("nm", ["2:4", "2:8"])
-@pytest.mark.parametrize("path,rows", [("auto", 96), ("wgmma_sp", 40), ("decode", 1)])
+@pytest.mark.parametrize("path,rows", [("auto", 96), ("wgmma_sp", 40), ("decode", 1), ("decode_mma", 8)])
 def test_back_to_back_calls_see_each_others_outputs(rng, nm, path, rows):
     """Three calls on one stream with nothing between them: A reads b0 and writes b1, B reads b1
     and writes b2, C reads b2 and overwrites b0. Kernels launched as programmatic dependents start

@@ -157,12 +157,31 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(8, 2, 4, 11008, 4096, "float16") == "decode"
     sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
     sp = "wgmma_sp" if sm90 else "mma"
-    # 9..16 rows: 2:4, 1:4, 2:8 and 1:8 on the sparse tensor cores (wgmma.mma_async.sp) with 8 weight
-    # tiles (Nout >= 897); else decode for N/M <= 1/4 while the activations are staged in one K
-    # chunk, and mma.
-    assert _kernels.cuda_path(9, 2, 8, 4096, 4096, "float16") == ("wgmma_sp" if sm90 else "decode")
-    assert _kernels.cuda_path(16, 1, 8, 4096, 22016, "bfloat16") == ("wgmma_sp" if sm90 else "decode")
-    assert _kernels.cuda_path(9, 2, 8, 4096, 896, "float16") == "decode"  # 7 weight tiles
+    # 5..16 rows of 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, the activations of all of K in shared
+    # memory; compute capability 8.0+): the decode-sized tensor-core kernel, unless a call with a
+    # 2:4 copy reads it on the sparse tensor cores from 9 rows.
+    tc = _kernels.cuda_path_supported("decode_mma", 16, 2, 8, "float16", 4096)
+    assert _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 8192) == tc  # 8 rows of K = 8192 fit
+    assert not _kernels.cuda_path_supported("decode_mma", 16, 2, 8, "float16", 8192)  # 16 rows do not
+    assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float16", 11008)
+    assert not _kernels.cuda_path_supported("decode_mma", 8, 4, 8, "float16", 4096)  # N/M = 1/2: not compiled
+    assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float32", 4096)
+    assert _kernels.cuda_path(4, 2, 8, 4096, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(5, 1, 4, 4096, 4096, "float16") == ("decode_mma" if tc else "decode")
+    assert _kernels.cuda_path(8, 2, 8, 4096, 1024, "bfloat16") == ("decode_mma" if tc else "decode")
+    assert _kernels.cuda_path(8, 2, 4, 4096, 4096, "float16") == "decode"  # 2:4 keeps decode
+    assert _kernels.cuda_path(8, 1, 8, 4096, 4096, "float16") == ("decode_mma" if tc else "decode")
+    assert _kernels.cuda_path(8, 1, 8, 4096, 12288, "float16") == "decode"  # 1:8 on wide outputs below 9 rows
+    assert _kernels.cuda_path(9, 1, 8, 4096, 12288, "float16") == ("decode_mma" if tc else "decode")
+    assert _kernels.cuda_path(8, 2, 8, 4096, 4096, "float16", 0, True) == ("decode_mma" if tc else "decode")
+    # 9..16 rows otherwise: 2:4, 1:4, 2:8 and 1:8 on the sparse tensor cores (wgmma.mma_async.sp)
+    # with 8 weight tiles (Nout >= 897); else decode for N/M <= 1/4 while the activations are staged
+    # in one K chunk, and mma.
+    assert _kernels.cuda_path(9, 2, 8, 4096, 4096, "float16") == ("decode_mma" if tc else "decode")
+    assert _kernels.cuda_path(12, 2, 8, 4096, 4096, "float16", 0, True) == ("wgmma_sp" if sm90 else "decode")
+    assert _kernels.cuda_path(16, 1, 8, 4096, 22016, "bfloat16") == ("decode_mma" if tc else "decode")
+    assert _kernels.cuda_path(9, 2, 8, 4096, 896, "float16") == ("decode_mma" if tc else "decode")  # 7 weight tiles
+    assert _kernels.cuda_path(16, 2, 8, 8192, 4096, "float16") == sp  # 16 rows of K = 8192 do not fit
     assert _kernels.cuda_path(9, 2, 4, 4096, 4096, "float16") == sp
     assert _kernels.cuda_path(16, 2, 4, 1024, 1024, "float16") == sp  # 8 weight tiles
     assert _kernels.cuda_path(16, 2, 4, 4096, 896, "float16") == "mma"  # 7: too few

@@ -53,7 +53,7 @@ alignas(16) const uint32_t kAnyCopy[4] = {};
 CudaPath parse_path(const std::string& name) {
   CudaPath path;
   if (!path_from_name(name.c_str(), &path))
-    throw std::invalid_argument("path must be auto, decode, tiled, mma, wgmma, wgmma_sp or vector");
+    throw std::invalid_argument("path must be auto, decode, decode_mma, tiled, mma, wgmma, wgmma_sp or vector");
   return path;
 }
 
@@ -179,7 +179,7 @@ void register_cuda_bindings(py::module_& mod) {
       },
       py::arg("path"), py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("dtype"), py::arg("k") = 0,
       py::arg("vector") = 0, py::arg("copy") = false,
-      "Whether a path (decode, tiled, mma, wgmma, wgmma_sp, vector) can run calls of this kind (K = k, or a "
+      "Whether a path (decode, decode_mma, tiled, mma, wgmma, wgmma_sp, vector) can run calls of this kind (K = k, or a "
       "multiple of 8 when 0).");
 }
 

@@ -3,8 +3,17 @@
 // Rule (measured crossovers in BENCHMARKS.md, session 3: nmcli_bench --path decode|mma on
 // LLaMA shapes at 1..32 rows; session 5: --path mma|wgmma at 64..4096 rows; session 11:
 // --path mma|wgmma_sp at 8..256 rows on the LLaMA and nmSPARSE shapes; session 34: decode, mma
-// and wgmma_sp at 1..16 rows and the warpgroup paths on N = 1024 and 2048):
-//  * 1..8 rows: the decode path.
+// and wgmma_sp at 1..16 rows and the warpgroup paths on N = 1024 and 2048; session 35: decode,
+// decode_mma and wgmma_sp at 1..16 rows, scratch/small35.py, then ab_kernels --path auto):
+//  * 1:4, 2:8 and 1:8 at 5..16 rows (fp16/bf16, K % 8 == 0, the activations of the whole K in
+//    shared memory: 16 rows up to K of about 6000, 8 up to about 9000): the decode-sized
+//    tensor-core kernel (decode_mma.cu). Against the rule before, in one process: 1.34-1.73x at
+//    9-16 rows on the K = 4096 LLaMA projections (wgmma_sp before), 1.02-1.28x at 5-8 rows for 2:8
+//    and 1:4 (decode before), 1.57-1.97x at 5-8 rows on N = 1024. 1:8 at 5..8 rows only up to
+//    Nout = 4096 (1.16-1.72x there; 0.82-0.99x at Nout 11008-28672). Calls that read a 2:4
+//    copy keep it from 9 rows; 2:4 keeps its paths (at 8 rows wgmma_sp ran 1.3-2.4x decode on 2:4
+//    and equal to decode_mma on 4096 x 4096: not yet taken).
+//  * Otherwise 1..8 rows: the decode path.
 //  * 2:4, 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, compute capability 9.0): the sparse tensor
 //    cores (wgmma_sp.cu) from 9 rows where the output has at least 8 weight tiles (Nout > 896)
 //    or the grid of smallest tiles (64 activation rows x 128 weight rows) at least 16 blocks.
@@ -119,6 +128,7 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
     return run_decode<T>(p, stream);  // gates or normalises while it stages X
   }
   PathParams<T> p = typed<T>(c);
+  if (path == CudaPath::decode_mma) return run_decode_mma<T>(p, stream);  // so does this one
   if (forms_activation(c)) {  // the other paths copy X as it is: write A out first
     T* a = static_cast<T*>(c.workspace);
     const cudaError_t e = p.norm_weight ? run_rms_norm<T>(p.x, p.norm_weight, p.norm_epsilon, a, p.rows, p.k, stream)
@@ -222,6 +232,14 @@ bool vector_supported(const CudaMatMul& call) {
          vector_family(call.shape.n, call.shape.m) && compute_capability() >= 80;
 }
 
+// The decode-sized tensor-core path: fp16/bf16 with the rows of X, x_up and norm_weight read as
+// 16-byte vectors (it stages A itself, like decode).
+bool decode_mma_runs(const CudaMatMul& call) {
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return call.dtype != DType::f32 && aligned(call.x) && aligned(call.x_up) && aligned(call.norm_weight) &&
+         decode_mma_supported(call.rows, call.shape.n, call.shape.m, call.shape.k);
+}
+
 // Whether the decode kernel would stage this call's activations once (one K chunk).
 bool decode_single_chunk(const CudaMatMul& call) {
   const NMShape& s = call.shape;
@@ -243,14 +261,25 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
     case CudaPath::wgmma: return wgmma_supported(call, false);
     case CudaPath::wgmma_sp: return wgmma_supported(sparse_tensor_core_view(call), true);
     case CudaPath::vector: return vector_supported(call);
+    case CudaPath::decode_mma: return decode_mma_runs(call);
   }
   return false;
 }
 
 CudaPath choose_path(const CudaMatMul& call) {
-  if (call.rows <= kDecodeMmaCrossover) return CudaPath::decode;
+  // 5..16 rows of 1:4, 2:8 and 1:8 on the decode-sized tensor-core kernel, except calls that read
+  // a 2:4 copy on the sparse tensor cores from 9 rows (they follow 2:4, which keeps its paths), and
+  // 1:8 at 5..8 rows on outputs wider than 4096, where decode was faster (session 35).
+  const bool sparse = 4 * call.shape.n <= call.shape.m;
+  const bool sparsest_wide = 8 * call.shape.n <= call.shape.m && call.shape.nout > kDecodeMmaSparsestMaxNout;
+  const bool decode_mma_takes = call.rows >= kDecodeMmaFromRows && call.rows <= kDecodeMaxRows && sparse &&
+                                !(call.rows > kDecodeMmaCrossover && has_copy(call)) &&
+                                !(call.rows <= kDecodeMmaCrossover && sparsest_wide) &&
+                                path_supported(call, CudaPath::decode_mma);
+  if (call.rows <= kDecodeMmaCrossover) return decode_mma_takes ? CudaPath::decode_mma : CudaPath::decode;
   if (path_supported(call, CudaPath::vector) && (call.dtype == DType::f32 || vector16_takes(call)))
     return CudaPath::vector;
+  if (decode_mma_takes) return CudaPath::decode_mma;
   const int64_t weight_tiles = (call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
   const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile * weight_tiles;
   const bool enough_tiles = weight_tiles >= kWgmmaWideTiles;
@@ -268,7 +297,6 @@ CudaPath choose_path(const CudaMatMul& call) {
   if (path_supported(call, CudaPath::mma)) {
     // 9..16 rows: the decode kernel still wins for the sparser patterns when it stages the
     // activations once; with several K chunks, or at N/M = 1/2, the mma path does.
-    const bool sparse = 4 * call.shape.n <= call.shape.m;
     if (call.rows <= kDecodeMaxRows && sparse && decode_single_chunk(call)) return CudaPath::decode;
     return CudaPath::mma;
   }
@@ -283,13 +311,14 @@ const char* path_name(CudaPath path) {
     case CudaPath::wgmma: return "wgmma";
     case CudaPath::wgmma_sp: return "wgmma_sp";
     case CudaPath::vector: return "vector";
+    case CudaPath::decode_mma: return "decode_mma";
     default: return "auto";
   }
 }
 
 bool path_from_name(const char* name, CudaPath* path) {
   for (CudaPath p : {CudaPath::automatic, CudaPath::decode, CudaPath::tiled, CudaPath::mma, CudaPath::wgmma,
-                     CudaPath::wgmma_sp, CudaPath::vector}) {
+                     CudaPath::wgmma_sp, CudaPath::vector, CudaPath::decode_mma}) {
     if (std::strcmp(name, path_name(p)) == 0) {
       *path = p;
       return true;
@@ -301,7 +330,7 @@ bool path_from_name(const char* name, CudaPath* path) {
 size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path) {
   if (!forms_activation(call) || call.rows == 0 || call.shape.nout == 0) return 0;
   if (path == CudaPath::automatic) path = choose_path(call);
-  if (path == CudaPath::decode) return 0;
+  if (path == CudaPath::decode || path == CudaPath::decode_mma) return 0;  // they stage A themselves
   return static_cast<size_t>(call.rows * call.shape.k) * dtype_bytes(call.dtype);
 }
 

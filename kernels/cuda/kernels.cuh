@@ -32,6 +32,8 @@ struct DecodeParamsT : PathParams<T> {
 
 constexpr int64_t kDecodeMaxRows = 16;  // the decode path handles 1..16 activation rows
 constexpr int64_t kDecodeMmaCrossover = 8;  // ... and is faster than the mma path up to 8
+constexpr int64_t kDecodeMmaFromRows = 5;   // the decode-sized tensor-core kernel (decode_mma.cu) from here,
+constexpr int64_t kDecodeMmaSparsestMaxNout = 4096;  // for N/M <= 1/8 below 9 rows only up to this Nout
 constexpr int64_t kWgmmaCrossover = 128;    // the wgmma path from this many rows (sm_90) ...
 constexpr int64_t kWgmmaMinBlocks = 16;     // ... when its grid of smallest tiles has this many blocks,
 constexpr int64_t kWgmmaWideTiles = 8;      // and from 17 rows (the sparse one 9) with this many weight tiles
@@ -56,6 +58,11 @@ cudaError_t run_rms_norm(const T* x, const T* weight, float epsilon, T* out, int
 template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t stream);
 // Whether the decode kernel for `rows` stages the activations of the whole K at once (one chunk).
 template <typename T> bool decode_stages_once(int64_t rows, int n, int m, int64_t groups);
+// Decode-sized calls on the tensor cores (decode_mma.cu): fp16/bf16, 1:4, 2:4, 1:8 and 2:8, 1..16
+// rows, K % 8 == 0 where the activations of the whole K fit in shared memory; gates or
+// normalises while it stages X, like run_decode. X, x_up and norm_weight 16-byte aligned.
+template <typename T> cudaError_t run_decode_mma(PathParams<T> p, cudaStream_t stream);
+bool decode_mma_supported(int64_t rows, int n, int m, int64_t k);
 template <typename T> cudaError_t run_tiled(PathParams<T> p, cudaStream_t stream);
 template <typename T> cudaError_t run_mma(PathParams<T> p, cudaStream_t stream);
 bool mma_supported(int dtype_bytes, int m);

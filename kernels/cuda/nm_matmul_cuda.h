@@ -14,7 +14,7 @@
 namespace nmcli {
 
 enum class DType { f32 = 0, f16 = 1, bf16 = 2 };
-enum class CudaPath { automatic = 0, decode = 1, tiled = 2, mma = 3, wgmma = 4, wgmma_sp = 5, vector = 6 };
+enum class CudaPath { automatic = 0, decode = 1, tiled = 2, mma = 3, wgmma = 4, wgmma_sp = 5, vector = 6, decode_mma = 7 };
 
 struct CudaMatMul {
   DType dtype = DType::f16;
@@ -43,7 +43,8 @@ struct CudaMatMul {
 
 // Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).
 CudaPath choose_path(const CudaMatMul& call);
-// Whether `path` can run this call (decode: rows <= 16; mma: fp16/bf16 with M in {2,4,8,16};
+// Whether `path` can run this call (decode: rows <= 16; decode_mma: fp16/bf16, 1:4, 2:4, 1:8 or 2:8,
+// rows <= 16, K % 8 == 0, the activations of all of K in shared memory, 16-byte aligned X; mma: fp16/bf16 with M in {2,4,8,16};
 // wgmma: fp16/bf16 on compute capability 9.0, K % 8 == 0, the families wgmma.cu compiles;
 // wgmma_sp: the same for 2:4, 1:4, 2:8 and 1:8, or any pattern with a 2:4 copy; vector: `vector`
 // a multiple of 32, N and M powers of two with N/M in {1/2, 1/4, 1/8}, K a multiple of 4 (fp32)
