@@ -154,7 +154,6 @@ def test_library_reports_cuda_when_built_with_nvcc():
     # path for everything else.
     assert _kernels.cuda_path(1, 2, 8, 4096, 4096, "float16") == "decode"
     assert _kernels.cuda_path(8, 2, 8, 4096, 4096, "float32") == "decode"
-    assert _kernels.cuda_path(8, 2, 4, 11008, 4096, "float16") == "decode"
     sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
     sp = "wgmma_sp" if sm90 else "mma"
     # 5..16 rows of 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, the activations of all of K in shared
@@ -169,7 +168,11 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(4, 2, 8, 4096, 4096, "float16") == "decode"
     assert _kernels.cuda_path(5, 1, 4, 4096, 4096, "float16") == ("decode_mma" if tc else "decode")
     assert _kernels.cuda_path(8, 2, 8, 4096, 1024, "bfloat16") == ("decode_mma" if tc else "decode")
-    assert _kernels.cuda_path(8, 2, 4, 4096, 4096, "float16") == "decode"  # 2:4 keeps decode
+    # 2:4 at 5..8 rows: the sparse tensor cores, on the grids they take from 9 rows.
+    assert _kernels.cuda_path(8, 2, 4, 4096, 4096, "float16") == ("wgmma_sp" if sm90 else "decode")
+    assert _kernels.cuda_path(5, 2, 4, 11008, 4096, "bfloat16") == ("wgmma_sp" if sm90 else "decode")
+    assert _kernels.cuda_path(4, 2, 4, 4096, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(8, 2, 4, 4096, 896, "float16") == "decode"  # 7 weight tiles
     assert _kernels.cuda_path(8, 1, 8, 4096, 4096, "float16") == ("decode_mma" if tc else "decode")
     assert _kernels.cuda_path(8, 1, 8, 4096, 12288, "float16") == "decode"  # 1:8 on wide outputs below 9 rows
     assert _kernels.cuda_path(9, 1, 8, 4096, 12288, "float16") == ("decode_mma" if tc else "decode")

@@ -45,7 +45,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kColumns = 16;       // output columns per warp: two n8 MMA tiles
 constexpr int kStepEntries = 32;   // stored entries of a column per step
 constexpr int kDepth = 4;          // steps per warp in flight (the cp.async ring)
-// A stage: each column's 64 bytes of values in a 80-byte row (so the 8 columns one LDS.64 reads
+// A stage: each column's 64 bytes of values in a 80-byte row (so the 8 columns one LDS.128 reads
 // fall in different banks), then each column's offset words in a 16-byte row.
 constexpr int kValueRowWords = 20;
 constexpr int kValueBytes = kColumns * kValueRowWords * 4;

@@ -11,8 +11,10 @@
 //    9-16 rows on the K = 4096 LLaMA projections (wgmma_sp before), 1.02-1.28x at 5-8 rows for 2:8
 //    and 1:4 (decode before), 1.57-1.97x at 5-8 rows on N = 1024. 1:8 at 5..8 rows only up to
 //    Nout = 4096 (1.16-1.72x there; 0.82-0.99x at Nout 11008-28672). Calls that read a 2:4
-//    copy keep it from 9 rows; 2:4 keeps its paths (at 8 rows wgmma_sp ran 1.3-2.4x decode on 2:4
-//    and equal to decode_mma on 4096 x 4096: not yet taken).
+//    copy keep it from 9 rows.
+//  * 2:4 at 5..8 rows on the sparse tensor cores where their grid is as wide as from 9 rows (at 8
+//    rows wgmma_sp ran 1.32-2.43x decode in scratch/small35.py; decode_mma equal on 4096 x 4096,
+//    slower elsewhere).
 //  * Otherwise 1..8 rows: the decode path.
 //  * 2:4, 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, compute capability 9.0): the sparse tensor
 //    cores (wgmma_sp.cu) from 9 rows where the output has at least 8 weight tiles (Nout > 896)
@@ -276,20 +278,26 @@ CudaPath choose_path(const CudaMatMul& call) {
                                 !(call.rows > kDecodeMmaCrossover && has_copy(call)) &&
                                 !(call.rows <= kDecodeMmaCrossover && sparsest_wide) &&
                                 path_supported(call, CudaPath::decode_mma);
-  if (call.rows <= kDecodeMmaCrossover) return decode_mma_takes ? CudaPath::decode_mma : CudaPath::decode;
-  if (path_supported(call, CudaPath::vector) && (call.dtype == DType::f32 || vector16_takes(call)))
-    return CudaPath::vector;
-  if (decode_mma_takes) return CudaPath::decode_mma;
   const int64_t weight_tiles = (call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
   const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile * weight_tiles;
   const bool enough_tiles = weight_tiles >= kWgmmaWideTiles;
+  // The sparse tensor cores from 9 rows where the output has kWgmmaWideTiles weight tiles (their K
+  // splits, up to 8 blocks a tile, keep such grids busy) or the grid kWgmmaSpMinBlocks blocks, and
+  // 2:4 on such grids from 5 rows; the expanding kernel from 17 rows with those weight tiles, else
+  // from kWgmmaCrossover rows on kWgmmaMinBlocks blocks.
+  const bool sparse_grid = enough_tiles || wgmma_blocks >= kWgmmaSpMinBlocks;
+  if (call.rows <= kDecodeMmaCrossover) {
+    if (decode_mma_takes) return CudaPath::decode_mma;
+    const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
+    if (two_of_four && call.rows >= kDecodeMmaFromRows && sparse_grid && path_supported(call, CudaPath::wgmma_sp))
+      return CudaPath::wgmma_sp;
+    return CudaPath::decode;
+  }
+  if (path_supported(call, CudaPath::vector) && (call.dtype == DType::f32 || vector16_takes(call)))
+    return CudaPath::vector;
+  if (decode_mma_takes) return CudaPath::decode_mma;
   // fp32 element-wise: the 3xTF32 warpgroup kernel from 9 rows.
   if (call.dtype == DType::f32 && path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
-  // The sparse tensor cores from 9 rows where the output has kWgmmaWideTiles weight tiles (their K
-  // splits, up to 8 blocks a tile, keep such grids busy) or the grid kWgmmaSpMinBlocks blocks; the
-  // expanding kernel from 17 rows with those weight tiles, else from kWgmmaCrossover rows on
-  // kWgmmaMinBlocks blocks.
-  const bool sparse_grid = enough_tiles || wgmma_blocks >= kWgmmaSpMinBlocks;
   if (sparse_grid && path_supported(call, CudaPath::wgmma_sp)) return CudaPath::wgmma_sp;
   const bool wgmma_grid =
       (call.rows > kDecodeMaxRows && enough_tiles) || (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks);
