@@ -269,7 +269,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   const int lane_group = kM == 4 ? q >> 1 : 0;
   const uint32_t* lane_table = table + lane;
   // ldmatrix row addresses of the activation fragment: rows 0-15 (or 0-7), positions +0 / +8.
-  const T* x_lane = R == 16 ? xs + (lane & 15) * stride + (lane >> 4) * 8 : xs + (lane & 7) * stride + ((lane >> 3) & 1) * 8;
+  const T* x_lane = R == 16 ? xs + (lane & 15) * stride + (lane >> 4) * 8
+                            : xs + (lane & 7) * stride + ((lane >> 3) & 1) * 8;
 
   // acc[slab % 2][h]: two chains of dependent MMAs per n8 tile instead of one.
   auto multiply = [&](const unsigned char* stage, int step, float (&acc)[2][2][4]) {

@@ -6,15 +6,15 @@
 // and wgmma_sp at 1..16 rows and the warpgroup paths on N = 1024 and 2048; session 35: decode,
 // decode_mma and wgmma_sp at 1..16 rows, scratch/small35.py, then ab_kernels --path auto):
 //  * 1:4, 2:8 and 1:8 at 5..16 rows (fp16/bf16, K % 8 == 0, the activations of the whole K in
-//    shared memory: 16 rows up to K of about 6000, 8 up to about 9000): the decode-sized
-//    tensor-core kernel (decode_mma.cu). Against the rule before, in one process: 1.34-1.73x at
-//    9-16 rows on the K = 4096 LLaMA projections (wgmma_sp before), 1.02-1.28x at 5-8 rows for 2:8
-//    and 1:4 (decode before), 1.57-1.97x at 5-8 rows on N = 1024. 1:8 at 5..8 rows only up to
+//    shared memory: K up to 4864-5120 at 9..16 rows, 10240-10752 at 5..8, by family): the
+//    decode-sized tensor-core kernel (decode_mma.cu). Against the rule before, in one process:
+//    1.34-1.73x at 9-16 rows on the K = 4096 LLaMA projections (wgmma_sp before), 1.02-1.28x at
+//    5-8 rows for 2:8 and 1:4 (decode before), 1.57-1.97x at 5-8 rows on N = 1024. 1:8 at 5..8 rows only up to
 //    Nout = 4096 (1.16-1.72x there; 0.82-0.99x at Nout 11008-28672). Calls that read a 2:4
 //    copy keep it from 9 rows.
 //  * 2:4 at 5..8 rows on the sparse tensor cores where their grid is as wide as from 9 rows (at 8
-//    rows wgmma_sp ran 1.32-2.43x decode in scratch/small35.py; decode_mma equal on 4096 x 4096,
-//    slower elsewhere).
+//    rows wgmma_sp ran 1.32-2.43x decode in scratch/small35.py, decode_mma equal on 4096 x 4096
+//    and slower elsewhere; then 1.25-2.46x at 5-8 rows against the rule before, ab_kernels run D).
 //  * Otherwise 1..8 rows: the decode path.
 //  * 2:4, 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, compute capability 9.0): the sparse tensor
 //    cores (wgmma_sp.cu) from 9 rows where the output has at least 8 weight tiles (Nout > 896)
@@ -270,7 +270,7 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
 
 CudaPath choose_path(const CudaMatMul& call) {
   // 5..16 rows of 1:4, 2:8 and 1:8 on the decode-sized tensor-core kernel, except calls that read
-  // a 2:4 copy on the sparse tensor cores from 9 rows (they follow 2:4, which keeps its paths), and
+  // a 2:4 copy on the sparse tensor cores from 9 rows (there they follow 2:4), and
   // 1:8 at 5..8 rows on outputs wider than 4096, where decode was faster (session 35).
   const bool sparse = 4 * call.shape.n <= call.shape.m;
   const bool sparsest_wide = 8 * call.shape.n <= call.shape.m && call.shape.nout > kDecodeMmaSparsestMaxNout;
