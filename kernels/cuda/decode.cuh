@@ -460,27 +460,14 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
       static_cast<size_t>(LayoutFor<T, kN, kM>::capacity(p.staged_positions)) * R * sizeof(StageT<T, R>);
 
   if (cudaError_t e = allow_dynamic_smem<decode_kernel<T, R, kN, kM>>(kStageBytes + 4096); e != cudaSuccess) return e;
-  // Persistent grid: at most as many blocks as fit on the GPU at once (each walks several row
-  // tiles), so the activations are staged once per block and no wave of blocks drains the memory
-  // pipe; and just enough of them that every block walks the same number of tiles (896 tiles on
-  // 264 slots: 224 blocks x 4 tiles, not 264 blocks of which 104 walk a 4th tile alone).
+  // Persistent grid (persistent_blocks): the activations are staged once per block and no wave of
+  // blocks drains the memory pipe. Programmatic dependent launch: the grid may start while the
+  // previous kernel drains, so its launch and first weight loads overlap that kernel's tail
+  // (decode calls are a few us long).
   const int64_t tiles = (p.nout + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t slots = static_cast<int64_t>(resident_blocks<T, R, kN, kM>(smem)) * multiprocessor_count();
-  const int64_t tiles_per_block = (tiles + slots - 1) / slots;
-  const unsigned blocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  // Programmatic dependent launch: the grid may start while the previous kernel drains, so its
-  // launch and first weight loads overlap that kernel's tail (decode calls are a few us long).
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = pdl;
-  config.numAttrs = use_pdl() ? 1 : 0;
-  return cudaLaunchKernelEx(&config, decode_kernel<T, R, kN, kM>, p);
+  return launch_split_k(decode_kernel<T, R, kN, kM>, dim3(persistent_blocks(tiles, slots)), kThreads, smem, stream, 1,
+                        true, p);
 }
 
 template <int V>

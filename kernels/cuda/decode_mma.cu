@@ -365,24 +365,11 @@ template <typename T, int R, int kN, int kM>
 cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
   const int64_t smem = Layout<R, kN, kM>::bytes(p.row_len);
   if (smem > kSmemLimit) return cudaErrorInvalidValue;
-  auto kernel = decode_mma_kernel<T, R, kN, kM>;
   if (cudaError_t e = allow_dynamic_smem<decode_mma_kernel<T, R, kN, kM>>(kSmemLimit); e != cudaSuccess) return e;
-  // One block per SM, walking column tiles; just enough blocks that each walks the same number.
+  // One block per SM, walking column tiles (persistent_blocks); programmatic dependent launch.
   const int64_t tiles = (p.nout + kColumns - 1) / kColumns;
-  const int64_t slots = multiprocessor_count();
-  const int64_t per_block = (tiles + slots - 1) / slots;
-  const unsigned blocks = static_cast<unsigned>((tiles + per_block - 1) / per_block);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = pdl;
-  config.numAttrs = use_pdl() ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, p);
+  return launch_split_k(decode_mma_kernel<T, R, kN, kM>, dim3(persistent_blocks(tiles, multiprocessor_count())),
+                        kThreads, static_cast<size_t>(smem), stream, 1, true, p);
 }
 
 // Calls f(Int<R>, Int<kN>, Int<kM>) for the kernel of `rows` activation rows (R = 8 up to 8, else

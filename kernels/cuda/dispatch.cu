@@ -274,7 +274,7 @@ CudaPath choose_path(const CudaMatMul& call) {
   // 1:8 at 5..8 rows on outputs wider than 4096, where decode was faster (session 35).
   const bool sparse = 4 * call.shape.n <= call.shape.m;
   const bool sparsest_wide = 8 * call.shape.n <= call.shape.m && call.shape.nout > kDecodeMmaSparsestMaxNout;
-  const bool decode_mma_takes = call.rows >= kDecodeMmaFromRows && call.rows <= kDecodeMaxRows && sparse &&
+  const bool decode_mma_takes = call.rows >= kDecodeMmaFromRows && sparse &&
                                 !(call.rows > kDecodeMmaCrossover && has_copy(call)) &&
                                 !(call.rows <= kDecodeMmaCrossover && sparsest_wide) &&
                                 path_supported(call, CudaPath::decode_mma);

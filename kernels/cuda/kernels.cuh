@@ -96,9 +96,9 @@ bool use_pdl();
 
 // Launches `kernel` with grid.z = `split` blocks of one cluster along z, which split each tile's
 // K steps between them (the mma and warpgroup paths' split-K; sm_90; split 1 launches no
-// cluster). With `pdl` (and use_pdl()), as a programmatic dependent launch: only for kernels
-// that call wait_for_previous_kernel() before they read what earlier kernels wrote or write
-// anything themselves.
+// cluster, as the decode kernels do). With `pdl` (and use_pdl()), as a programmatic dependent
+// launch: only for kernels that call wait_for_previous_kernel() before they read what earlier
+// kernels wrote or write anything themselves.
 template <typename... Params, typename... Args>
 cudaError_t launch_split_k(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem, cudaStream_t stream,
                            int split, bool pdl, Args... args) {
@@ -122,6 +122,14 @@ cudaError_t launch_split_k(void (*kernel)(Params...), dim3 grid, unsigned thread
   config.attrs = attrs;
   config.numAttrs = count;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// Blocks of a persistent grid over `tiles` tiles with `slots` blocks resident at once: at most
+// `slots`, and just enough that every block walks the same number of tiles (896 tiles on 264
+// slots: 224 blocks x 4 tiles, not 264 blocks of which 104 walk a 4th tile alone).
+inline unsigned persistent_blocks(int64_t tiles, int64_t slots) {
+  const int64_t per_block = (tiles + slots - 1) / slots;
+  return static_cast<unsigned>((tiles + per_block - 1) / per_block);
 }
 
 // Raises kKernel's dynamic shared-memory cap to `bytes` on the current device, once per device
