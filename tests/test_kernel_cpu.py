@@ -156,27 +156,47 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(8, 2, 8, 4096, 4096, "float32") == "decode"
     sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
     sp = "wgmma_sp" if sm90 else "mma"
-    # 5..16 rows of 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, the activations of all of K in shared
-    # memory; compute capability 8.0+): the decode-sized tensor-core kernel, unless a call with a
-    # 2:4 copy reads it on the sparse tensor cores from 9 rows.
+    # 2:4, 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, the activations of all of K in shared memory;
+    # compute capability 8.0+): the decode-sized tensor-core kernel from 2 rows where Nout <= 1024,
+    # else from 3 for groups of 4 and, for groups of 8, from 3 where Nout <= 4096, 4 where
+    # Nout <= 16384, else 5; to 8 rows for 2:4 and to 16 for the others, unless a call with a 2:4
+    # copy reads it on the sparse tensor cores from 9 rows.
     tc = _kernels.cuda_path_supported("decode_mma", 16, 2, 8, "float16", 4096)
+    dm = "decode_mma" if tc else "decode"
     assert _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 8192) == tc  # 8 rows of K = 8192 fit
+    assert _kernels.cuda_path_supported("decode_mma", 16, 1, 4, "float16", 4736) == tc  # the most 16 rows fit
+    assert not _kernels.cuda_path_supported("decode_mma", 16, 1, 4, "float16", 4744)
     assert not _kernels.cuda_path_supported("decode_mma", 16, 2, 8, "float16", 8192)  # 16 rows do not
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float16", 11008)
     assert not _kernels.cuda_path_supported("decode_mma", 8, 4, 8, "float16", 4096)  # N/M = 1/2: not compiled
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float32", 4096)
-    assert _kernels.cuda_path(4, 2, 8, 4096, 4096, "float16") == "decode"
-    assert _kernels.cuda_path(5, 1, 4, 4096, 4096, "float16") == ("decode_mma" if tc else "decode")
-    assert _kernels.cuda_path(8, 2, 8, 4096, 1024, "bfloat16") == ("decode_mma" if tc else "decode")
-    # 2:4 at 5..8 rows: the sparse tensor cores, on the grids they take from 9 rows.
-    assert _kernels.cuda_path(8, 2, 4, 4096, 4096, "float16") == ("wgmma_sp" if sm90 else "decode")
+    assert _kernels.cuda_path(1, 2, 8, 4096, 1024, "float16") == "decode"
+    assert _kernels.cuda_path(2, 2, 8, 4096, 1024, "float16") == dm
+    assert _kernels.cuda_path(2, 2, 4, 4096, 1024, "float16") == dm
+    assert _kernels.cuda_path(2, 2, 8, 4096, 1040, "float16") == "decode"
+    assert _kernels.cuda_path(3, 1, 4, 4096, 4096, "float16") == dm
+    assert _kernels.cuda_path(3, 1, 4, 4096, 28672, "float16") == dm  # groups of 4: from 3 rows at any width
+    assert _kernels.cuda_path(3, 2, 4, 4096, 14336, "bfloat16") == dm
+    assert _kernels.cuda_path(3, 2, 8, 4096, 14336, "float16") == "decode"
+    assert _kernels.cuda_path(4, 2, 8, 4096, 14336, "float16") == dm
+    assert _kernels.cuda_path(4, 1, 8, 4096, 28672, "bfloat16") == "decode"
+    assert _kernels.cuda_path(5, 1, 8, 4096, 28672, "bfloat16") == dm
+    assert _kernels.cuda_path(5, 1, 4, 4096, 4096, "float16") == dm
+    assert _kernels.cuda_path(8, 2, 8, 4096, 1024, "bfloat16") == dm
+    # 2:4 at 5..8 rows: the sparse tensor cores, on the grids they take from 9 rows, where Nout <= 1024
+    # or decode_mma does not fit K.
+    assert _kernels.cuda_path(8, 2, 4, 4096, 4096, "float16") == dm
+    assert _kernels.cuda_path(4, 2, 4, 4096, 4096, "float16") == dm
+    assert _kernels.cuda_path(8, 2, 4, 4096, 896, "float16") == dm  # 7 weight tiles: not a sparse tensor-core grid
+    assert _kernels.cuda_path(4, 2, 4, 4096, 1024, "float16") == dm
+    assert _kernels.cuda_path(5, 2, 4, 4096, 1024, "float16") == ("wgmma_sp" if sm90 else dm)
+    assert _kernels.cuda_path(8, 2, 4, 4096, 28672, "float16") == dm
     assert _kernels.cuda_path(5, 2, 4, 11008, 4096, "bfloat16") == ("wgmma_sp" if sm90 else "decode")
-    assert _kernels.cuda_path(4, 2, 4, 4096, 4096, "float16") == "decode"
-    assert _kernels.cuda_path(8, 2, 4, 4096, 896, "float16") == "decode"  # 7 weight tiles
-    assert _kernels.cuda_path(8, 1, 8, 4096, 4096, "float16") == ("decode_mma" if tc else "decode")
-    assert _kernels.cuda_path(8, 1, 8, 4096, 12288, "float16") == "decode"  # 1:8 on wide outputs below 9 rows
-    assert _kernels.cuda_path(9, 1, 8, 4096, 12288, "float16") == ("decode_mma" if tc else "decode")
-    assert _kernels.cuda_path(8, 2, 8, 4096, 4096, "float16", 0, True) == ("decode_mma" if tc else "decode")
+    assert _kernels.cuda_path(8, 2, 4, 11008, 896, "float16") == "decode"  # 7 weight tiles, K too long
+    assert _kernels.cuda_path(8, 1, 8, 4096, 4096, "float16") == dm
+    assert _kernels.cuda_path(8, 1, 8, 4096, 12288, "float16") == dm
+    assert _kernels.cuda_path(9, 1, 8, 4096, 12288, "float16") == dm
+    assert _kernels.cuda_path(8, 2, 8, 4096, 4096, "float16", 0, True) == dm
     # 9..16 rows otherwise: 2:4, 1:4, 2:8 and 1:8 on the sparse tensor cores (wgmma.mma_async.sp)
     # with 8 weight tiles (Nout >= 897); else decode for N/M <= 1/4 while the activations are staged
     # in one K chunk, and mma.

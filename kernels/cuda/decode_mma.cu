@@ -2,23 +2,30 @@
 // one or two entries in groups of 4 or 8 (1:4, 2:4, 1:8, 2:8).
 //
 // Why: the SIMT decode kernel multiplies every stored entry by every row in fp32, after one
-// 16-to-32-bit conversion per entry and row; from 4 rows on that, not the bytes, sets its time
-// (4096 x 4096 2:8: 5.9 us at 1 row, 13 us at 8, 25 at 16, for 10 MB). Here mma.sync m16n8k16
-// does the products with the activation rows as its M = 16 side, so rows cost little up to 16
-// (10.1 us at 8 rows, 12.5 at 16), and its work per stored entry is building the dense weight
-// fragment. At 1 row it is slower than decode (9.2 us), bound by that work and by latency: 8 warps
-// per SM (BENCHMARKS.md session 35).
+// 16-to-32-bit conversion per entry and row; from 3-5 rows on that, not the bytes, sets its time
+// (4096 x 4096 2:8 on the H200: 6.9 us at 2 rows, 12.8 at 8, 26.0 at 16, for 10 MB). Here
+// mma.sync m16n8k16 does the products, so rows cost little up to 16 (7.7 us at 2 rows, 8.9 at 8,
+// 12.2 at 16), and its work per stored entry is building the dense weight fragment. At 1-2 rows
+// decode stays faster on most shapes; from 2 to 8 rows, the same MMAs, the time grows about
+// 0.2 us a row there, likely the activations that every block stages whole from L2
+// (BENCHMARKS.md sessions 35 and 36).
+//  * The weights are the MMA's M = 16 side (A, 16 columns x 16 positions) and the activation rows
+//    its N side in n8 tiles (B, from shared memory by ldmatrix), so 1-8 rows take one MMA per 16
+//    positions and 9-16 two, with no zero rows multiplied.
 //  * The weight fragment is built in registers, never in shared memory: lane (g, q) of a warp
-//    holds, per 16-position slab, positions 2q, 2q+1 and 2q+8, 2q+9 of weight column g. Those two
-//    positions lie in one group; a PRMT picks each half from the group's value word (or zero) with
-//    a selector looked up by the group's offset field in a per-lane table (one shared-memory word
-//    per lane and field, lane-strided, so the 32 lookups of a warp never share a bank).
-//  * Each warp owns 16 output columns (two n8 tiles) and a share of K: a block's 8 warps split a
-//    column tile's K steps and sum their partial tiles through shared memory. The block walks
-//    column tiles blockIdx.x, + gridDim.x, ... (one block per SM) and stages the activations once.
+//    holds, per 16-position slab, positions 2q, 2q+1 and 2q+8, 2q+9 of columns g and g + 8. Each
+//    pair lies in one group; a PRMT picks each half from the group's value word (or zero) with a
+//    selector looked up in a per-lane table (one shared-memory word per lane and key,
+//    lane-strided, so the 32 lookups of a warp never share a bank). With one entry a group one
+//    key covers both pairs of a column. The key's byte offset into the table comes from the offset
+//    string in one shift and one LOP3.
+//  * Each warp owns 16 output columns and a share of K: a block's 8 warps split a column tile's K
+//    steps and sum their partial tiles through shared memory. The block walks column tiles
+//    blockIdx.x, + gridDim.x, ... (one block per SM) and stages the activations once.
 //  * A step is 32 stored entries of each of the warp's 16 columns (the row padding unit of the
 //    format, so no step runs past a row). Its values and offset words go global -> shared with
-//    cp.async into a ring of kDepth steps per warp; the first steps are issued before the kernel
+//    cp.async into a ring of kDepth steps per warp, from per-lane sources set once per tile; the
+//    first steps and the selector table (built by the compiler) are copied before the kernel
 //    waits on the previous one (the weights are constants), like the decode kernel.
 //  * The activations are staged as T, rows of the 16 (or 8) MMA rows, zeros past K and past the
 //    call's rows; the gated and normalised prologues (kernels/fusion.h) are applied while staging,
@@ -40,9 +47,9 @@ using sm90::cp_async_commit;
 using sm90::cp_async_wait;
 using sm90::smem_addr;
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8;  // one block per SM
 constexpr int kThreads = kWarps * 32;
-constexpr int kColumns = 16;       // output columns per warp: two n8 MMA tiles
+constexpr int kColumns = 16;       // output columns per warp: the MMA's M side
 constexpr int kStepEntries = 32;   // stored entries of a column per step
 constexpr int kDepth = 4;          // steps per warp in flight (the cp.async ring)
 // A stage: each column's 64 bytes of values in a 80-byte row (so the 8 columns one LDS.128 reads
@@ -50,32 +57,43 @@ constexpr int kDepth = 4;          // steps per warp in flight (the cp.async rin
 constexpr int kValueRowWords = 20;
 constexpr int kValueBytes = kColumns * kValueRowWords * 4;
 constexpr int kStageBytes = kValueBytes + kColumns * 16;
+// Floats per activation row of a partial tile: 16 columns and 4 of padding, so that the 32 lanes'
+// stores of one accumulator register (rows 2q, columns g) fall in 32 banks.
+constexpr int kPartialStride = 20;
 constexpr int kSmemLimit = 226 * 1024;  // of 227 KB per block, leaving the static norm sums room
 
 template <int kN, int kM>
 struct Family {
   static constexpr int kBits = index_bits(kM);
   static constexpr int kFieldBits = kN * kBits;          // offset bits of one group
-  static constexpr int kFields = 1 << kFieldBits;
   static constexpr int kPositions = kStepEntries * kM / kN;  // K positions a step covers
   static constexpr int kSlabs = kPositions / 16;             // MMAs of 16 positions per step
+  // A lane's two words of a column and slab (positions 2q, 2q+1 and 2q+8, 2q+9) lie kApart
+  // groups apart. With one entry a group the fields of both groups and any between them, 6 bits,
+  // key one table lookup that gives both words' selectors; with two, each group's 4- or 6-bit
+  // field keys its own.
+  static constexpr int kApart = 8 / kM;
+  static constexpr int kKeyBits = kN == 1 ? (kApart + 1) * kFieldBits : kFieldBits;
+  static constexpr int kKeys = 1 << kKeyBits;
   static_assert((kN == 1 || kN == 2) && (kM == 4 || kM == 8), "groups of 4 or 8 with one or two entries");
 };
 
-// The selectors of lane `lane` for a group whose offset field is `field`: bits 0-15 build the
-// lane's word at slab positions 2q, 2q+1 (first B register), bits 16-31 the one at 2q+8, 2q+9.
-// PRMT(0, V, selector) with V the 32-bit word holding the group's values: nibbles 4/5 take V's low
-// half, 6/7 its high half, 0 a zero byte.
+// The selectors of lane `lane` for table key `key`: bits 0-15 build the lane's word at slab
+// positions 2q, 2q+1, bits 16-31 the one at 2q+8, 2q+9 (for two entries a group both halves are
+// the same, as both words sit at the same place in their groups). PRMT(0, V, selector), which
+// reads the selector's low 16 bits, with V the 32-bit word holding the group's values: nibbles
+// 4/5 take V's low half, 6/7 its high half, 0 a zero byte.
 template <int kN, int kM>
-__host__ __device__ constexpr uint32_t selectors(int field, int lane) {
-  constexpr int kBits = index_bits(kM);
+__host__ __device__ constexpr uint32_t selectors(int key, int lane) {
+  using F = Family<kN, kM>;
   const int q = lane & 3;
   uint32_t both = 0;
   for (int w = 0; w < 2; ++w) {
+    const int field = kN == 1 ? (key >> (w * F::kApart * F::kFieldBits)) & ((1 << F::kFieldBits) - 1) : key;
     const int position = 2 * q + 8 * w, group = position / kM, t = position % kM;
     uint32_t selector = 0;
     for (int e = 0; e < kN; ++e) {
-      const int offset = (field >> (e * kBits)) & ((1 << kBits) - 1);
+      const int offset = (field >> (e * F::kBits)) & ((1 << F::kBits) - 1);
       const int half = kN == 2 ? e : (group & 1);  // which half of V holds entry e
       const uint32_t code = static_cast<uint32_t>((4 + 2 * half) | (5 + 2 * half) << 4);
       if (offset == t) selector |= code;
@@ -86,20 +104,38 @@ __host__ __device__ constexpr uint32_t selectors(int field, int lane) {
   return both;
 }
 
+// The selector table, [key][lane], built by the compiler: blocks copy it into shared memory with
+// the first weight steps, before the programmatic-dependent wait. (Session 35's kernel built it in
+// every block on every launch, work the previous kernel's tail hides only in part: a block of this
+// kernel starts once the SM's shared memory is free.)
+template <int kN, int kM>
+struct SelectorTable {
+  alignas(16) uint32_t entry[Family<kN, kM>::kKeys * 32];
+  constexpr SelectorTable() : entry() {
+    for (int i = 0; i < Family<kN, kM>::kKeys * 32; ++i) entry[i] = selectors<kN, kM>(i >> 5, i & 31);
+  }
+};
+template <int kN, int kM>
+__device__ SelectorTable<kN, kM> kSelectorTable;
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
   return d;
 }
 
-// `width` bits at compile-time bit `bit` of the little-endian string in w[].
+// The `width` bits at compile-time bit `bit` of the little-endian string w[], times 128 (a table
+// key's byte offset: 32 lanes of 4 bytes), in one shift and, with the lane's byte offset, one LOP3.
 template <int bit, int width>
-__device__ __forceinline__ uint32_t bits_at(const uint32_t (&w)[4]) {
+__device__ __forceinline__ uint32_t key_offset(const uint32_t (&w)[4], uint32_t lane_bytes) {
   static_assert(bit + width <= 128, "the string has 4 words");
   constexpr int word = bit / 32, shift = bit % 32;
-  constexpr uint32_t mask = (1u << width) - 1u;
-  if constexpr (shift + width <= 32) return (w[word] >> shift) & mask;
-  else return __funnelshift_r(w[word], w[word + 1], shift) & mask;
+  constexpr uint32_t mask = ((1u << width) - 1u) << 7;
+  uint32_t moved;
+  if constexpr (shift + width > 32) moved = __funnelshift_r(w[word], w[word + 1], shift - 7);
+  else if constexpr (shift >= 7) moved = w[word] >> (shift - 7);
+  else moved = w[word] << (7 - shift);
+  return (moved & mask) | lane_bytes;
 }
 
 template <int V>
@@ -117,9 +153,9 @@ __device__ __forceinline__ void unrolled(F&& f) {
 // Shared memory: the selector table, the warps' rings, two sets of partial tiles, the activations.
 template <int R, int kN, int kM>
 struct Layout {
-  static constexpr int kTableBytes = Family<kN, kM>::kFields * 32 * 4;
+  static constexpr int kTableBytes = static_cast<int>(sizeof(SelectorTable<kN, kM>));
   static constexpr int kRingBytes = kWarps * kDepth * kStageBytes;
-  static constexpr int kPartialBytes = 2 * kWarps * R * kColumns * 4;
+  static constexpr int kPartialBytes = 2 * kWarps * R * kPartialStride * 4;
   static constexpr int kRingOffset = kTableBytes;
   static constexpr int kPartialOffset = kRingOffset + kRingBytes;
   static constexpr int kXOffset = kPartialOffset + kPartialBytes;
@@ -200,9 +236,9 @@ template <typename T, int R, int kN, int kM>
 __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p) {
   using F = Family<kN, kM>;
   using L = Layout<R, kN, kM>;
+  constexpr int kRowTiles = R / 8;  // n8 MMA tiles of activation rows
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float norm_sumsq[R];
-  uint32_t* table = reinterpret_cast<uint32_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   unsigned char* ring = smem + L::kRingOffset + warp * kDepth * kStageBytes;
   float* partials = reinterpret_cast<float*>(smem + L::kPartialOffset);
@@ -213,46 +249,71 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   // This warp's share of every tile's steps.
   const int first = warp * steps / kWarps, last = (warp + 1) * steps / kWarps;
 
+  // The lane's copies of a step: value chunk c (16 bytes) of column lane / 4 + 8c, part lane % 4,
+  // and offset word i = lane + 32c of the tile's 16 x kBits (16 x 2 fit one per lane; 16 x 3 take
+  // lanes 0-15 twice). Sources are at the tile's step 0, zero-filled past Nout.
+  constexpr int kIndexCopies = kColumns * F::kBits > 32 ? 2 : 1;
   struct Step {
     int tile, step;
+    const T* value[2];
+    const uint32_t* index[kIndexCopies];
+    bool value_ok[2], index_ok[kIndexCopies];
   };
-  auto advance = [&](Step s) {
+  auto at_tile = [&](Step& s, int tile) {
+    s.tile = tile;
+    const int64_t col0 = static_cast<int64_t>(tile) * kColumns;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int64_t col = col0 + (lane >> 2) + 8 * c;
+      s.value_ok[c] = col < p.nout;
+      s.value[c] = p.values + (s.value_ok[c] ? col * p.row_len + (lane & 3) * 8 : 0);
+    }
+#pragma unroll
+    for (int c = 0; c < kIndexCopies; ++c) {
+      const int i = lane + 32 * c;
+      const int64_t col = col0 + i / F::kBits;
+      s.index_ok[c] = col < p.nout;
+      s.index[c] = p.indices + (s.index_ok[c] ? col * p.index_words + i % F::kBits : 0);
+    }
+  };
+  auto advance = [&](Step& s) {
     if (++s.step >= last) {
       s.step = first;
-      s.tile += gridDim.x;
+      at_tile(s, s.tile + gridDim.x);
     }
-    return s;
   };
-  // Copies step s's values and offset words into ring slot `slot` (zeros past Nout); always
-  // commits a group, so every warp counts its groups alike.
-  auto issue = [&](Step s, int slot) {
+  const uint32_t value_dst0 = smem_addr(ring + (lane >> 2) * kValueRowWords * 4 + (lane & 3) * 16);
+  const uint32_t index_dst0 = smem_addr(ring + kValueBytes) + (lane / F::kBits) * 16 + (lane % F::kBits) * 4;
+  const uint32_t index_dst1 =
+      smem_addr(ring + kValueBytes) + ((lane + 32) / F::kBits) * 16 + ((lane + 32) % F::kBits) * 4;
+  // Copies step s into ring slot `slot`; always commits a group, so every warp counts its groups
+  // alike.
+  auto issue = [&](const Step& s, int slot) {
     if (first < last && s.tile < tiles) {
-      unsigned char* stage = ring + slot * kStageBytes;
-      const int64_t col0 = static_cast<int64_t>(s.tile) * kColumns;
+      const uint32_t stage = slot * kStageBytes;
 #pragma unroll
-      for (int i = lane; i < kColumns * 4; i += 32) {
-        const int col = i >> 2, part = i & 3;
-        const bool valid = col0 + col < p.nout;
-        const T* src = p.values + (valid ? (col0 + col) * p.row_len + s.step * kStepEntries + part * 8 : 0);
-        cp_async16(smem_addr(stage + col * kValueRowWords * 4 + part * 16), src, valid);
-      }
-      for (int i = lane; i < kColumns * F::kBits; i += 32) {
-        const int col = i / F::kBits, word = i % F::kBits;
-        const bool valid = col0 + col < p.nout;
-        const uint32_t* src = p.indices + (valid ? (col0 + col) * p.index_words + s.step * F::kBits + word : 0);
-        cp_async4(smem_addr(stage + kValueBytes + col * 16 + word * 4), src, valid);
-      }
+      for (int c = 0; c < 2; ++c)
+        cp_async16(value_dst0 + stage + c * 8 * kValueRowWords * 4, s.value[c] + s.step * kStepEntries, s.value_ok[c]);
+      cp_async4(index_dst0 + stage, s.index[0] + s.step * F::kBits, s.index_ok[0]);
+      if constexpr (kIndexCopies == 2)
+        if (lane < kColumns * F::kBits - 32)
+          cp_async4(index_dst1 + stage, s.index[1] + s.step * F::kBits, s.index_ok[1]);
     }
     cp_async_commit();
   };
 
   // The weights are constants: the table and the first steps' copies go out before the wait.
-  for (int i = threadIdx.x; i < F::kFields * 32; i += kThreads) table[i] = selectors<kN, kM>(i >> 5, i & 31);
-  Step next{static_cast<int>(blockIdx.x), first};
+  constexpr int kTableChunks = L::kTableBytes / 16;
+  for (int i = threadIdx.x; i < kTableChunks; i += kThreads)
+    cp_async16(smem_addr(smem + 16 * i), reinterpret_cast<const unsigned char*>(&kSelectorTable<kN, kM>) + 16 * i,
+               true);
+  Step next{};
+  next.step = first;
+  at_tile(next, blockIdx.x);
 #pragma unroll
   for (int d = 0; d < kDepth - 1; ++d) {
     issue(next, d);
-    next = advance(next);
+    advance(next);
   }
   wait_for_previous_kernel();
   allow_next_kernel();
@@ -261,19 +322,23 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     __syncthreads();
   }
   stage_activations<T, R>(p, xs, stride, staged, p.norm_weight ? norm_sumsq : nullptr);
+  cp_async_wait<0>();  // the table too
   __syncthreads();
 
-  // The lane's weight columns are g and 8 + g of the stage. Its group in a slab is `lane_group`
-  // groups past the slab's first (q / 2 for groups of 4, 0 for groups of 8): its offset fields sit
-  // that many fields further along the step's offset string than the compile-time positions below.
+  // The lane's weight columns are g and 8 + g of the stage (MMA rows g and g + 8). Its group in a
+  // slab is `lane_group` groups past the slab's first (q / 2 for groups of 4, 0 for groups of 8):
+  // its offset fields sit that many fields further along the step's offset string than the
+  // compile-time positions below.
   const int lane_group = kM == 4 ? q >> 1 : 0;
-  const uint32_t* lane_table = table + lane;
-  // ldmatrix row addresses of the activation fragment: rows 0-15 (or 0-7), positions +0 / +8.
-  const T* x_lane = R == 16 ? xs + (lane & 15) * stride + (lane >> 4) * 8
-                            : xs + (lane & 7) * stride + ((lane >> 3) & 1) * 8;
+  const uint32_t lane_bytes = static_cast<uint32_t>(lane) * 4;
+  const unsigned char* table = smem;
+  auto lookup = [&](uint32_t offset) { return *reinterpret_cast<const uint32_t*>(table + offset); };
+  // ldmatrix row addresses of the activations (the MMA's B, K x rows): lanes 0-7 rows 0-7 at +0,
+  // 8-15 the same rows at +8, 16-31 rows 8-15 likewise.
+  const T* x_lane = xs + ((lane & 7) + (R == 8 ? 0 : (lane >> 4) * 8)) * stride + ((lane >> 3) & 1) * 8;
 
-  // acc[slab % 2][h]: two chains of dependent MMAs per n8 tile instead of one.
-  auto multiply = [&](const unsigned char* stage, int step, float (&acc)[2][2][4]) {
+  // acc[slab % 2][n8 tile]: two chains of dependent MMAs per tile instead of one.
+  auto multiply = [&](const unsigned char* stage, int step, float (&acc)[2][kRowTiles][4]) {
     // The step's values and offset words of the lane's two columns, in registers.
     uint32_t values[2][16], offsets[2][4];
 #pragma unroll
@@ -294,65 +359,73 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     const T* x_step = x_lane + step * F::kPositions;
     unrolled<F::kSlabs>([&](auto slab_constant) {
       constexpr int slab = decltype(slab_constant)::value;
-      uint32_t a[4];
-      if constexpr (R == 16) {
-        ldmatrix_x4(a, x_step + slab * 16);
+      uint32_t b[kRowTiles][2];
+      if constexpr (R == 8) {
+        ldmatrix_x2(b[0][0], b[0][1], x_step + slab * 16);
       } else {
-        ldmatrix_x2(a[0], a[2], x_step + slab * 16);
-        a[1] = a[3] = 0u;
+#pragma unroll
+        for (int t = 0; t < kRowTiles; t += 2) {
+          uint32_t r[4];
+          ldmatrix_x4(r, x_step + t * 8 * stride + slab * 16);
+          b[t][0] = r[0], b[t][1] = r[1], b[t + 1][0] = r[2], b[t + 1][1] = r[3];
+        }
       }
+      // The weight fragment (MMA rows = columns g, g + 8; K = the slab's positions): a[2w + h] is
+      // column 8h + g at positions 2q + 8w, 2q + 8w + 1.
+      uint32_t a[4];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        uint32_t b[2];
-        unrolled<2>([&](auto w_constant) {
-          constexpr int w = decltype(w_constant)::value;
-          // The word's group within the step: this constant, plus lane_group.
-          constexpr int kGroup = slab * (16 / kM) + 8 * w / kM;
-          const uint32_t field = bits_at<kGroup * F::kFieldBits, F::kFieldBits>(offsets[h]);
-          uint32_t selector = lane_table[field << 5];
-          if constexpr (kN == 1 && kM == 8) selector >>= 16 * w;  // the only family whose two words differ
-          // The 32-bit word holding the group's values: entries 2G, 2G + 1 (N = 2) or G (N = 1).
-          uint32_t word;
-          if constexpr (kN == 1) word = values[h][kGroup >> 1];  // kGroup even where lane_group may be 1
-          else if constexpr (kM == 8) word = values[h][kGroup];
-          else word = lane_group ? values[h][kGroup + 1] : values[h][kGroup];
-          b[w] = prmt(0u, word, selector);
-        });
-        mma_16816<T>(acc[slab & 1][h], a, b);
+        if constexpr (kN == 1) {
+          // Entry G of the step is group G's; word G / 2 holds it, in the half the selector picks.
+          constexpr int kGroup = slab * (16 / kM);  // the first word's group, less lane_group
+          const uint32_t selector = lookup(key_offset<kGroup * F::kFieldBits, F::kKeyBits>(offsets[h], lane_bytes));
+          a[h] = prmt(0u, values[h][kGroup >> 1], selector);
+          a[2 + h] = prmt(0u, values[h][(kGroup + F::kApart) >> 1], selector >> 16);
+        } else {
+          unrolled<2>([&](auto w_constant) {
+            constexpr int w = decltype(w_constant)::value;
+            constexpr int kGroup = slab * (16 / kM) + w * F::kApart;  // less lane_group
+            const uint32_t selector = lookup(key_offset<kGroup * F::kFieldBits, F::kFieldBits>(offsets[h], lane_bytes));
+            // Entries 2G, 2G + 1 of the step are group G's: word G.
+            const uint32_t word =
+                kM == 8 ? values[h][kGroup] : (lane_group ? values[h][kGroup + 1] : values[h][kGroup]);
+            a[2 * w + h] = prmt(0u, word, selector);
+          });
+        }
       }
+#pragma unroll
+      for (int t = 0; t < kRowTiles; ++t) mma_16816<T>(acc[slab & 1][t], a, b[t]);
     });
   };
 
   int walked = 0;  // steps this warp has multiplied: its ring position
   int parity = 0;  // which set of partial tiles this tile uses
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1) {
-    float acc[2][2][4] = {};
+    float acc[2][kRowTiles][4] = {};
     for (int step = first; step < last; ++step, ++walked) {
       issue(next, (walked + kDepth - 1) % kDepth);  // the slot multiplied one step ago
-      next = advance(next);
+      advance(next);
       cp_async_wait<kDepth - 1>();
       __syncwarp();
       multiply(ring + (walked % kDepth) * kStageBytes, step, acc);
       __syncwarp();
     }
-    // Accumulator (row g + 8 * (j / 2), column 8h + 2q + j % 2) of this warp's partial tile.
-    float* mine = partials + (parity * kWarps + warp) * R * kColumns;
+    // Accumulator j of n8 tile t: column g + 8 (j / 2), activation row 8t + 2q + j % 2.
+    float* mine = partials + (parity * kWarps + warp) * R * kPartialStride;
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < kRowTiles; ++t)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int row = g + 8 * (j >> 1);
-        if (row < R) mine[row * kColumns + 8 * h + 2 * q + (j & 1)] = acc[0][h][j] + acc[1][h][j];
-      }
+      for (int j = 0; j < 4; ++j)
+        mine[(8 * t + 2 * q + (j & 1)) * kPartialStride + g + 8 * (j >> 1)] = acc[0][t][j] + acc[1][t][j];
     __syncthreads();
     // One output per thread: row t / 16, column t % 16 of the tile.
     const int row = threadIdx.x / kColumns, col = threadIdx.x % kColumns;
     const int64_t out_col = static_cast<int64_t>(tile) * kColumns + col;
     if (row < R && row < p.rows && out_col < p.nout) {
-      const float* set = partials + parity * kWarps * R * kColumns + row * kColumns + col;
+      const float* set = partials + parity * kWarps * R * kPartialStride + row * kPartialStride + col;
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += set[w * R * kColumns];
+      for (int w = 0; w < kWarps; ++w) sum += set[w * R * kPartialStride];
       const float scale = p.norm_weight ? rsqrtf(norm_sumsq[row] / static_cast<float>(p.k) + p.norm_epsilon) : 1.f;
       const float b = p.bias ? to_f32(p.bias[out_col]) : 0.f;
       p.y.column(out_col)[row] = from_f32<T>(p.alpha * scale * sum + b + residual_at(p, row, out_col));

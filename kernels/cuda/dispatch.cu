@@ -4,17 +4,26 @@
 // LLaMA shapes at 1..32 rows; session 5: --path mma|wgmma at 64..4096 rows; session 11:
 // --path mma|wgmma_sp at 8..256 rows on the LLaMA and nmSPARSE shapes; session 34: decode, mma
 // and wgmma_sp at 1..16 rows and the warpgroup paths on N = 1024 and 2048; session 35: decode,
-// decode_mma and wgmma_sp at 1..16 rows, scratch/small35.py, then ab_kernels --path auto):
-//  * 1:4, 2:8 and 1:8 at 5..16 rows (fp16/bf16, K % 8 == 0, the activations of the whole K in
-//    shared memory: K up to 4864-5120 at 9..16 rows, 10240-10752 at 5..8, by family): the
-//    decode-sized tensor-core kernel (decode_mma.cu). Against the rule before, in one process:
-//    1.34-1.73x at 9-16 rows on the K = 4096 LLaMA projections (wgmma_sp before), 1.02-1.28x at
-//    5-8 rows for 2:8 and 1:4 (decode before), 1.57-1.97x at 5-8 rows on N = 1024. 1:8 at 5..8 rows only up to
-//    Nout = 4096 (1.16-1.72x there; 0.82-0.99x at Nout 11008-28672). Calls that read a 2:4
-//    copy keep it from 9 rows.
-//  * 2:4 at 5..8 rows on the sparse tensor cores where their grid is as wide as from 9 rows (at 8
-//    rows wgmma_sp ran 1.32-2.43x decode in scratch/small35.py, decode_mma equal on 4096 x 4096
-//    and slower elsewhere; then 1.25-2.46x at 5-8 rows against the rule before, ab_kernels run D).
+// decode_mma and wgmma_sp at 1..16 rows, scratch/small35.py, then ab_kernels --path auto; session
+// 36, on an H200: decode_mma reworked, ab_kernels --path auto --path decode_mma (both builds) and
+// --path decode --path wgmma_sp at 2-16 rows on six K = 4096 shapes, run A; the rule, run B):
+//  * 2:4, 1:4, 2:8 and 1:8 from a few rows (fp16/bf16, K % 8 == 0, the activations of the whole K
+//    in shared memory: K up to 4608-4928 at 9..16 rows, 9984-10560 at 1..8, by family): the
+//    decode-sized tensor-core kernel (decode_mma.cu), to 16 rows (2:4 to 8). It starts at 2 rows
+//    where Nout <= 1024 (run A: 1.14-1.34x decode on 4096 x 1024, every family), at 3 for groups
+//    of 4 (1:4, 2:4: 1.04-1.76x decode at 3 rows on every shape, 2048 x 2048 to 4096 x 28672) and
+//    for groups of 8 at 3 where Nout <= 4096, 4 where Nout <= 16384, else 5 (1:8 and 2:8 at 3-4
+//    rows: decode 1.02-1.12x faster on 4096 x 11008 and 28672, decode_mma 1.03-1.06x on 14336; at
+//    2 rows decode won on 2048 x 2048 and wider, 1.04-1.37x). 2:4 at 5..8 rows keeps the sparse
+//    tensor cores where Nout <= 1024 (decode_mma's 64 column tiles on 132 SMs: 0.85-0.93x of them
+//    on 4096 x 1024) and takes decode_mma elsewhere (1.00-1.16x wgmma_sp on 2048 x 2048, 4096 x
+//    4096, 11008 and 28672; 1.00x at 5 rows and 0.91x at 8 on 4096 x 14336). Against the rule
+//    before, in one process (run B, 100 points at 2-8 rows on 4096 x 1024, 6144, 14336, 22016,
+//    28672): 68 points 1.02-1.76x, 31 within 2%, 4096 x 14336 2:4 at 8 rows 0.91x. Session 35 (the
+//    first version): 1.34-1.73x the rule before it at 9-16 rows on the K = 4096 LLaMA projections
+//    (wgmma_sp before). Calls that read a 2:4 copy keep it from 9 rows, as does 2:4.
+//  * 2:4 at 5..8 rows where decode_mma does not take it: the sparse tensor cores where their grid
+//    is as wide as from 9 rows (session 35: 1.25-2.46x decode at 5-8 rows, ab_kernels run D).
 //  * Otherwise 1..8 rows: the decode path.
 //  * 2:4, 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, compute capability 9.0): the sparse tensor
 //    cores (wgmma_sp.cu) from 9 rows where the output has at least 8 weight tiles (Nout > 896)
@@ -269,29 +278,35 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
 }
 
 CudaPath choose_path(const CudaMatMul& call) {
-  // 5..16 rows of 1:4, 2:8 and 1:8 on the decode-sized tensor-core kernel, except calls that read
-  // a 2:4 copy on the sparse tensor cores from 9 rows (there they follow 2:4), and
-  // 1:8 at 5..8 rows on outputs wider than 4096, where decode was faster (session 35).
+  // The decode-sized tensor-core kernel for 2:4, 1:4, 2:8 and 1:8 from 2 rows on outputs up to
+  // 1024 wide, else from 3 for groups of 4 and, for groups of 8, from 3 up to 4096 wide, 4 up to
+  // 16384, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read a 2:4 copy
+  // on the sparse tensor cores from 9 rows, and 2:4 at 5-8 rows on outputs up to 1024 wide, where
+  // its 64 column tiles leave half the SMs idle and the sparse tensor cores split K (session 36).
+  // Where its K does not fit, 2:4 at 5-8 rows takes the sparse tensor cores and the rest decode.
   const bool sparse = 4 * call.shape.n <= call.shape.m;
-  const bool sparsest_wide = 8 * call.shape.n <= call.shape.m && call.shape.nout > kDecodeMmaSparsestMaxNout;
-  const bool decode_mma_takes = call.rows >= kDecodeMmaFromRows && sparse &&
-                                !(call.rows > kDecodeMmaCrossover && has_copy(call)) &&
-                                !(call.rows <= kDecodeMmaCrossover && sparsest_wide) &&
+  const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
+  const int64_t nout = call.shape.nout;
+  const int64_t decode_mma_from = nout <= kDecodeMmaNarrowestNout                    ? 2
+                                  : call.shape.m == 4 || nout <= kDecodeMmaNarrowNout ? 3
+                                  : nout <= kDecodeMmaMidNout                         ? 4
+                                                                                      : kDecodeMmaFromRows;
+  const bool decode_mma_takes = call.rows >= decode_mma_from && (sparse || two_of_four) &&
+                                !(call.rows > kDecodeMmaCrossover && (two_of_four || has_copy(call))) &&
                                 path_supported(call, CudaPath::decode_mma);
-  const int64_t weight_tiles = (call.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
+  const int64_t weight_tiles = (nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
   const int64_t wgmma_blocks = (call.rows + kWgmmaMinRowTile - 1) / kWgmmaMinRowTile * weight_tiles;
   const bool enough_tiles = weight_tiles >= kWgmmaWideTiles;
   // The sparse tensor cores from 9 rows where the output has kWgmmaWideTiles weight tiles (their K
   // splits, up to 8 blocks a tile, keep such grids busy) or the grid kWgmmaSpMinBlocks blocks, and
-  // 2:4 on such grids from 5 rows; the expanding kernel from 17 rows with those weight tiles, else
-  // from kWgmmaCrossover rows on kWgmmaMinBlocks blocks.
+  // 2:4 on such grids from 5 rows where decode_mma does not take it; the expanding kernel from 17
+  // rows with those weight tiles, else from kWgmmaCrossover rows on kWgmmaMinBlocks blocks.
   const bool sparse_grid = enough_tiles || wgmma_blocks >= kWgmmaSpMinBlocks;
   if (call.rows <= kDecodeMmaCrossover) {
-    if (decode_mma_takes) return CudaPath::decode_mma;
-    const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
-    if (two_of_four && call.rows >= kDecodeMmaFromRows && sparse_grid && path_supported(call, CudaPath::wgmma_sp))
-      return CudaPath::wgmma_sp;
-    return CudaPath::decode;
+    const bool two_of_four_sp = two_of_four && call.rows >= kDecodeMmaFromRows && sparse_grid &&
+                                path_supported(call, CudaPath::wgmma_sp);
+    if (decode_mma_takes && !(two_of_four_sp && nout <= kDecodeMmaNarrowestNout)) return CudaPath::decode_mma;
+    return two_of_four_sp ? CudaPath::wgmma_sp : CudaPath::decode;
   }
   if (path_supported(call, CudaPath::vector) && (call.dtype == DType::f32 || vector16_takes(call)))
     return CudaPath::vector;
