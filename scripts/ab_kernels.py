@@ -16,6 +16,9 @@ working tree travels but its git repository stays as it was when the session sta
     mkdir -p scratch/base && git archive <base> | tar -x -C scratch/base    # here; carry scratch
     (cd scratch/base && pip install --no-deps --target /tmp/old .)          # on the GPU machine
     python scripts/ab_kernels.py --path decode --rows 1 --rows 4 old=$(ls /tmp/old/nmcli/_kernels*.so)
+
+With several `--path`, every build runs every path on each point (`-` where a path does not take
+the call), so forced paths are compared in the same process as the builds' dispatch.
 """
 import argparse
 import importlib.util
@@ -68,8 +71,10 @@ class Point:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("builds", nargs="+", help="name=path/to/_kernels.so of each other build")
-    parser.add_argument("--path", default="decode", help="kernel path, as in nmcli bench kernels --path")
+    parser.add_argument("builds", nargs="*",
+                        help="name=path/to/_kernels.so of each other build (none: the installed one alone)")
+    parser.add_argument("--path", action="append",
+                        help="kernel path, as in nmcli bench kernels --path (repeatable; default decode)")
     parser.add_argument("--rows", type=int, action="append", help="activation rows (repeatable; default 1)")
     parser.add_argument("--nm", action="append", help="N:M patterns (repeatable; default 2:8 and 2:4)")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
@@ -77,6 +82,7 @@ def main() -> None:
                         help="weight shape K x Nout (repeatable; default the LLaMA projections)")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] if args.shape else SHAPES
+    paths = args.path or ["decode"]
     builds = {"new": installed}
     for spec in args.builds:
         name, so_path = spec.split("=", 1)
@@ -93,18 +99,26 @@ def main() -> None:
             indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
             for m in args.rows or [1]:
                 point = Point(m, k, n, pattern, values, indices, l2_bytes)
-                runs = {name: [] for name in builds}
+                runs = {(name, path): [] for name in builds for path in paths}
                 for _ in range(ROUNDS):
-                    for name, module in builds.items():
-                        runs[name].append(point.time_us(module, args.path))
+                    for (name, path), times in runs.items():
+                        try:
+                            times.append(point.time_us(builds[name], path))
+                        except ValueError:  # the path does not take this call
+                            pass
                 moved = point.moved
                 del point
                 cells = []
-                for name, times in runs.items():
+                for (name, path), times in runs.items():
+                    label = name if len(paths) == 1 else f"{name}/{path}"
+                    if not times:
+                        cells.append(f"{label} -")
+                        continue
                     us = float(np.median(times))
-                    cells.append(f"{name} {us:6.2f} us ({moved / us / 1e3:4.0f} GB/s; "
+                    cells.append(f"{label} {us:6.2f} us ({moved / us / 1e3:4.0f} GB/s; "
                                  f"{'/'.join(f'{t:.2f}' for t in times)})")
-                print(f"{m:3d} {k:5d}x{n:<5d} {nm} " + "  ".join(cells), flush=True)
+                chosen = installed.cuda_path(m, pattern.n, pattern.m, k, n, args.dtype)
+                print(f"{m:3d} {k:5d}x{n:<5d} {nm} [{chosen}] " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
