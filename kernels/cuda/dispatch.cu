@@ -291,7 +291,8 @@ CudaPath choose_path(const CudaMatMul& call) {
                                   : call.shape.m == 4 || nout <= kDecodeMmaNarrowNout ? 3
                                   : nout <= kDecodeMmaMidNout                         ? 4
                                                                                       : kDecodeMmaFromRows;
-  const bool decode_mma_takes = call.rows >= decode_mma_from && (sparse || two_of_four) &&
+  // (path_supported limits it to the four families decode_mma.cu compiles.)
+  const bool decode_mma_takes = call.rows >= decode_mma_from &&
                                 !(call.rows > kDecodeMmaCrossover && (two_of_four || has_copy(call))) &&
                                 path_supported(call, CudaPath::decode_mma);
   const int64_t weight_tiles = (nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
