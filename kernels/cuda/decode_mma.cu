@@ -362,13 +362,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
       uint32_t b[kRowTiles][2];
       if constexpr (R == 8) {
         ldmatrix_x2(b[0][0], b[0][1], x_step + slab * 16);
-      } else {
-#pragma unroll
-        for (int t = 0; t < kRowTiles; t += 2) {
-          uint32_t r[4];
-          ldmatrix_x4(r, x_step + t * 8 * stride + slab * 16);
-          b[t][0] = r[0], b[t][1] = r[1], b[t + 1][0] = r[2], b[t + 1][1] = r[3];
-        }
+      } else {  // both n8 tiles at once: x_lane already puts lanes 16-31 on rows 8-15
+        uint32_t r[4];
+        ldmatrix_x4(r, x_step + slab * 16);
+        b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
       }
       // The weight fragment (MMA rows = columns g, g + 8; K = the slab's positions): a[2w + h] is
       // column 8h + g at positions 2q + 8w, 2q + 8w + 1.
