@@ -89,11 +89,16 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
 @pytest.mark.parametrize("n,m", [(1, 4), (2, 4), (1, 8), (2, 8)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(1, 64, 16), (2, 1000, 1000), (4, 136, 4100), (7, 4104, 130), (8, 2048, 4097),
-                                         (9, 1024, 33), (13, 4096, 1030), (16, 3000, 257), (16, 4096, 4096)])
+                                         (9, 1024, 33), (13, 4096, 1030), (16, 3000, 257), (16, 4096, 4096),
+                                         # K split over a cluster: 2 blocks (2:4 1), 2, 4 (2:4 3), 6-7, 8
+                                         (16, 4744, 77), (8, 11008, 300), (16, 14336, 130), (3, 60000, 50),
+                                         (16, 36000, 40)])
 def test_decode_mma_matches_reference(rng, n, m, dtype_name, rows, k, nout):
     """The decode-sized tensor-core path (decode_mma.cu): 8- and 16-row kernels, fewer K steps than
     warps (K = 64), steps not a multiple of the block's 8 warps, Nout not a multiple of its 16-column
-    tile, outputs poisoned."""
+    tile, K split over clusters of 2-8 blocks where the activations of all of K do not fit one
+    block's shared memory (the splits in the comment follow decode_mma.cu's Layout), outputs
+    poisoned."""
     pattern = NMPattern(n, m)
     assert kernels.cuda_path_supported("decode_mma", rows, n, m, dtype_name, k)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)

@@ -164,10 +164,14 @@ def test_library_reports_cuda_when_built_with_nvcc():
     tc = _kernels.cuda_path_supported("decode_mma", 16, 2, 8, "float16", 4096)
     dm = "decode_mma" if tc else "decode"
     assert _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 8192) == tc  # 8 rows of K = 8192 fit
-    assert _kernels.cuda_path_supported("decode_mma", 16, 1, 4, "float16", 4736) == tc  # the most 16 rows fit
-    assert not _kernels.cuda_path_supported("decode_mma", 16, 1, 4, "float16", 4744)
-    assert not _kernels.cuda_path_supported("decode_mma", 16, 2, 8, "float16", 8192)  # 16 rows do not
-    assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float16", 11008)
+    # Past one block's shared memory (K = 4736 at 16 rows of 1:4), K split over a cluster of up to 8.
+    assert _kernels.cuda_path_supported("decode_mma", 16, 1, 4, "float16", 4744) == tc
+    assert _kernels.cuda_path_supported("decode_mma", 16, 2, 8, "float16", 8192) == tc
+    assert _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float16", 11008) == tc
+    assert _kernels.cuda_path_supported("decode_mma", 16, 1, 8, "float16", 36864) == tc  # the most 8 blocks fit
+    assert not _kernels.cuda_path_supported("decode_mma", 16, 1, 8, "float16", 36872)
+    assert _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 80896) == tc
+    assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 80904)
     assert not _kernels.cuda_path_supported("decode_mma", 8, 4, 8, "float16", 4096)  # N/M = 1/2: not compiled
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float32", 4096)
     assert _kernels.cuda_path(1, 2, 8, 4096, 1024, "float16") == "decode"
@@ -184,7 +188,7 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(5, 1, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(8, 2, 8, 4096, 1024, "bfloat16") == dm
     # 2:4 at 5..8 rows: the sparse tensor cores, on the grids they take from 9 rows, where Nout <= 1024
-    # or decode_mma does not fit K.
+    # or decode_mma splits K (there from 3 rows, below).
     assert _kernels.cuda_path(8, 2, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(4, 2, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(8, 2, 4, 4096, 896, "float16") == dm  # 7 weight tiles: not a sparse tensor-core grid
@@ -192,7 +196,16 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(5, 2, 4, 4096, 1024, "float16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path(8, 2, 4, 4096, 28672, "float16") == dm
     assert _kernels.cuda_path(5, 2, 4, 11008, 4096, "bfloat16") == ("wgmma_sp" if sm90 else "decode")
-    assert _kernels.cuda_path(8, 2, 4, 11008, 896, "float16") == "decode"  # 7 weight tiles, K too long
+    assert _kernels.cuda_path(8, 2, 4, 11008, 896, "float16") == dm  # 7 weight tiles
+    # Where decode_mma splits K (the down projections): 2:4 on the sparse tensor cores from 3 rows,
+    # the others from 5 rows while decode stages K in one chunk (11008 at 1-8 rows; not 14336).
+    assert _kernels.cuda_path(3, 2, 4, 11008, 4096, "float16") == ("wgmma_sp" if sm90 else "decode")
+    assert _kernels.cuda_path(2, 2, 4, 14336, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(8, 2, 4, 14336, 4096, "float16") == ("wgmma_sp" if sm90 else "decode")
+    assert _kernels.cuda_path(4, 2, 8, 11008, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(5, 1, 8, 11008, 4096, "float16") == dm
+    assert _kernels.cuda_path(3, 1, 4, 14336, 4096, "bfloat16") == dm
+    assert _kernels.cuda_path(4, 2, 8, 14336, 4096, "float16") == dm
     assert _kernels.cuda_path(8, 1, 8, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(8, 1, 8, 4096, 12288, "float16") == dm
     assert _kernels.cuda_path(9, 1, 8, 4096, 12288, "float16") == dm
@@ -204,12 +217,14 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(12, 2, 8, 4096, 4096, "float16", 0, True) == ("wgmma_sp" if sm90 else "decode")
     assert _kernels.cuda_path(16, 1, 8, 4096, 22016, "bfloat16") == ("decode_mma" if tc else "decode")
     assert _kernels.cuda_path(9, 2, 8, 4096, 896, "float16") == ("decode_mma" if tc else "decode")  # 7 weight tiles
-    assert _kernels.cuda_path(16, 2, 8, 8192, 4096, "float16") == sp  # 16 rows of K = 8192 do not fit
+    assert _kernels.cuda_path(16, 2, 8, 8192, 4096, "float16") == ("decode_mma" if tc else sp)  # K split
     assert _kernels.cuda_path(9, 2, 4, 4096, 4096, "float16") == sp
     assert _kernels.cuda_path(16, 2, 4, 1024, 1024, "float16") == sp  # 8 weight tiles
     assert _kernels.cuda_path(16, 2, 4, 4096, 896, "float16") == "mma"  # 7: too few
-    assert _kernels.cuda_path(16, 2, 8, 11008, 4096, "float16") == sp
-    assert _kernels.cuda_path(16, 2, 8, 11008, 896, "float16") == "mma"  # K in two decode chunks
+    assert _kernels.cuda_path(16, 2, 8, 11008, 4096, "float16") == ("decode_mma" if tc else sp)
+    assert _kernels.cuda_path(12, 1, 4, 14336, 4096, "float16") == ("decode_mma" if tc else sp)
+    assert _kernels.cuda_path(16, 2, 4, 14336, 4096, "float16") == sp
+    assert _kernels.cuda_path(16, 2, 8, 11008, 896, "float16") == ("decode_mma" if tc else "mma")  # 7 weight tiles
     assert _kernels.cuda_path(16, 4, 16, 14336, 4096, "float16") == "mma"  # the expanding kernel from 17 rows
     # From 17 rows 2:4, 1:4, 2:8 and 1:8 take the sparse tensor cores with 8 weight tiles or 16 blocks.
     assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float16") == sp

@@ -22,6 +22,11 @@
 //  * Each warp owns 16 output columns and a share of K: a block's 8 warps split a column tile's K
 //    steps and sum their partial tiles through shared memory. The block walks column tiles
 //    blockIdx.x, + gridDim.x, ... (one block per SM) and stages the activations once.
+//  * Where the activations of all of K do not fit one block's shared memory (K past 4608-4928 at
+//    9-16 rows, 9984-10560 at 1-8, by family), K is split over a cluster of 2-8 blocks (the fewest
+//    that fit): each stages and walks its slice of the steps for the same column tiles, and the
+//    blocks' sums of a tile meet through distributed shared memory, with no workspace and no
+//    second kernel. That lifts the limit to K = 36864-39424 at 9-16 rows, 79872-84480 at 1-8.
 //  * A step is 32 stored entries of each of the warp's 16 columns (the row padding unit of the
 //    format, so no step runs past a row). Its values and offset words go global -> shared with
 //    cp.async into a ring of kDepth steps per warp, from per-lane sources set once per tile; the
@@ -31,12 +36,14 @@
 //    call's rows; the gated and normalised prologues (kernels/fusion.h) are applied while staging,
 //    and a normalised row's 1 / rms scales its sums at the end, as in the decode kernel.
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "async_copy.cuh"
 #include "common.cuh"
 #include "kernels.cuh"
 #include "mma_sync.cuh"
+#include "split_k.cuh"
 
 namespace nmcli {
 namespace decode_mma {
@@ -61,6 +68,7 @@ constexpr int kStageBytes = kValueBytes + kColumns * 16;
 // stores of one accumulator register (rows 2q, columns g) fall in 32 banks.
 constexpr int kPartialStride = 20;
 constexpr int kSmemLimit = 226 * 1024;  // of 227 KB per block, leaving the static norm sums room
+constexpr int kMaxSplit = 8;            // blocks of a cluster splitting K: the portable cluster size
 
 template <int kN, int kM>
 struct Family {
@@ -150,7 +158,9 @@ __device__ __forceinline__ void unrolled(F&& f) {
   }
 }
 
-// Shared memory: the selector table, the warps' rings, two sets of partial tiles, the activations.
+// Shared memory: the selector table, the warps' rings, two sets of partial tiles, the activations
+// of the block's K slice (all of K, or with K split over a cluster of `split` blocks, one split's
+// steps).
 template <int R, int kN, int kM>
 struct Layout {
   static constexpr int kTableBytes = static_cast<int>(sizeof(SelectorTable<kN, kM>));
@@ -159,29 +169,48 @@ struct Layout {
   static constexpr int kRingOffset = kTableBytes;
   static constexpr int kPartialOffset = kRingOffset + kRingBytes;
   static constexpr int kXOffset = kPartialOffset + kPartialBytes;
-  // Staged positions per row: every position a stored entry can name, plus 8 so that rows start
-  // 16 bytes apart modulo 128 and ldmatrix's 8 row addresses hit different banks.
-  static int64_t staged(int64_t row_len) { return row_len / kStepEntries * Family<kN, kM>::kPositions; }
-  static int64_t bytes(int64_t row_len) { return kXOffset + static_cast<int64_t>(R) * (staged(row_len) + 8) * 2; }
+  // Steps of the longest slice, and its staged positions per row: every position a stored entry
+  // can name, plus 8 so that rows start 16 bytes apart modulo 128 and ldmatrix's 8 row addresses
+  // hit different banks.
+  __host__ __device__ static int64_t slice_steps(int64_t row_len, int split) {
+    return (row_len / kStepEntries + split - 1) / split;
+  }
+  // With K split, three buffers of the block's tile sums follow (at the same offset in every block
+  // of the cluster, which reads them in its peers).
+  static constexpr int kSumsBytes = 3 * R * kColumns * 4;
+  __host__ __device__ static int64_t sums_offset(int64_t row_len, int split) {
+    return kXOffset + static_cast<int64_t>(R) * (slice_steps(row_len, split) * Family<kN, kM>::kPositions + 8) * 2;
+  }
+  static int64_t bytes(int64_t row_len, int split) {
+    return sums_offset(row_len, split) + (split > 1 ? kSumsBytes : 0);
+  }
+  // The fewest blocks a cluster needs for the activations of their slices to fit; 0 past kMaxSplit.
+  static int least_split(int64_t row_len) {
+    for (int split = 1; split <= kMaxSplit; ++split)
+      if (bytes(row_len, split) <= kSmemLimit) return split;
+    return 0;
+  }
 };
 
-// Stages A (X, gated, or X * norm_weight) for rows [0, R) and positions [0, staged) as T: zeros
-// past K and past the call's rows. With `sumsq`, adds each row's sum of squares of X into it.
+// Stages A (X, gated, or X * norm_weight) for rows [0, R) and positions [k0, k0 + staged) as T:
+// zeros past K and past the call's rows. With `sumsq`, adds each row's sum of squares of X over
+// those positions into it.
 // Needs K % 8 == 0 and 16-byte aligned X, x_up and norm_weight (decode_mma_supported). X as it is
 // goes over with cp.async, every copy in flight at once; a prologue's loads go 4 rows at a time
 // (one row at a time, each thread's loads waited for one after another: 1 row 10.2 us, 8 rows
 // 15.1 us on 4096 x 4096 in run A).
 template <typename T, int R>
-__device__ __forceinline__ void stage_activations(const PathParams<T>& p, T* xs, int stride, int staged, float* sumsq) {
+__device__ __forceinline__ void stage_activations(const PathParams<T>& p, T* xs, int stride, int64_t k0, int staged,
+                                                  float* sumsq) {
   const bool gate = p.glu != Glu::none;
   const T* gamma = p.norm_weight;
   const int chunks = staged / 8;  // 16-byte chunks per row
   if (!gate && !gamma) {
     for (int idx = threadIdx.x; idx < R * chunks; idx += kThreads) {
       const int r = idx / chunks;
-      const int64_t k = static_cast<int64_t>(idx - r * chunks) * 8;
+      const int64_t staged_k = static_cast<int64_t>(idx - r * chunks) * 8, k = k0 + staged_k;
       const bool real = r < p.rows && k < p.k;
-      sm90::cp_async16(sm90::smem_addr(xs + r * stride + k), real ? p.x + r * p.k + k : p.x, real);
+      sm90::cp_async16(sm90::smem_addr(xs + r * stride + staged_k), real ? p.x + r * p.k + k : p.x, real);
     }
     sm90::cp_async_commit();
     sm90::cp_async_wait<0>();
@@ -191,7 +220,7 @@ __device__ __forceinline__ void stage_activations(const PathParams<T>& p, T* xs,
   for (int r0 = 0; r0 < R; r0 += kBatch) {
     float squares[kBatch] = {};
     for (int c = threadIdx.x; c < chunks; c += kThreads) {
-      const int64_t k = static_cast<int64_t>(c) * 8;
+      const int64_t staged_k = static_cast<int64_t>(c) * 8, k = k0 + staged_k;
       uint4 v[kBatch], u[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
@@ -218,7 +247,7 @@ __device__ __forceinline__ void stage_activations(const PathParams<T>& p, T* xs,
           out[i / 2] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&lo)) |
                        static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16;
         }
-        *reinterpret_cast<uint4*>(xs + (r0 + b) * stride + k) = make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(xs + (r0 + b) * stride + staged_k) = make_uint4(out[0], out[1], out[2], out[3]);
       }
     }
     if (sumsq) {
@@ -232,7 +261,40 @@ __device__ __forceinline__ void stage_activations(const PathParams<T>& p, T* xs,
   }
 }
 
-template <typename T, int R, int kN, int kM>
+// The two halves of a barrier over the block's cluster (every thread arrives, then waits; the
+// arrive releases this thread's shared-memory writes to the cluster, the wait acquires the
+// others'), and the address of a shared variable in block `rank` of the cluster (sm_90; launch()
+// splits K over a cluster only there).
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+template <typename V>
+__device__ __forceinline__ V* peer_address(V* mine, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(mine, rank);
+#else
+  __trap();
+  return mine;
+#endif
+}
+
+// kSplit: K is split over a cluster of gridDim.z blocks. A separate kernel: with the cluster code
+// in the one-block kernel too, one-block calls ran 1-9% slower (session 37); without it, that
+// kernel's PTX is the same as before K could be split.
+template <typename T, int R, int kN, int kM, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p) {
   using F = Family<kN, kM>;
   using L = Layout<R, kN, kM>;
@@ -243,11 +305,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   unsigned char* ring = smem + L::kRingOffset + warp * kDepth * kStageBytes;
   float* partials = reinterpret_cast<float*>(smem + L::kPartialOffset);
   T* xs = reinterpret_cast<T*>(smem + L::kXOffset);
+  // The block's slice of every tile's K steps: all of them, or with K split over a cluster of
+  // gridDim.z blocks (rank blockIdx.z), the rank's share; and this warp's share of the slice.
   const int steps = static_cast<int>(p.row_len / kStepEntries);
-  const int staged = steps * F::kPositions, stride = staged + 8;
+  const int splits = kSplit ? static_cast<int>(gridDim.z) : 1, rank = kSplit ? static_cast<int>(blockIdx.z) : 0;
+  const int slice_first = rank * steps / splits, slice_steps = (rank + 1) * steps / splits - slice_first;
+  const int staged = slice_steps * F::kPositions, stride = staged + 8;
   const int tiles = static_cast<int>((p.nout + kColumns - 1) / kColumns);
-  // This warp's share of every tile's steps.
-  const int first = warp * steps / kWarps, last = (warp + 1) * steps / kWarps;
+  const int first = slice_first + warp * slice_steps / kWarps, last = slice_first + (warp + 1) * slice_steps / kWarps;
 
   // The lane's copies of a step: value chunk c (16 bytes) of column lane / 4 + 8c, part lane % 4,
   // and offset word i = lane + 32c of the tile's 16 x kBits (16 x 2 fit one per lane; 16 x 3 take
@@ -321,7 +386,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     if (threadIdx.x < R) norm_sumsq[threadIdx.x] = 0.f;
     __syncthreads();
   }
-  stage_activations<T, R>(p, xs, stride, staged, p.norm_weight ? norm_sumsq : nullptr);
+  stage_activations<T, R>(p, xs, stride, static_cast<int64_t>(slice_first) * F::kPositions, staged,
+                          p.norm_weight ? norm_sumsq : nullptr);
   cp_async_wait<0>();  // the table too
   __syncthreads();
 
@@ -356,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
         offsets[h][0] = static_cast<uint32_t>(s), offsets[h][1] = static_cast<uint32_t>(s >> 32);
       }
     }
-    const T* x_step = x_lane + step * F::kPositions;
+    const T* x_step = x_lane + (step - slice_first) * F::kPositions;
     unrolled<F::kSlabs>([&](auto slab_constant) {
       constexpr int slab = decltype(slab_constant)::value;
       uint32_t b[kRowTiles][2];
@@ -395,9 +461,32 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     });
   };
 
+  // Writes output (row, out_col), inside the output, from its sum over K (and with a normalised
+  // prologue, its row's sum of squares, read only then).
+  auto write = [&](int row, int64_t out_col, float sum, auto sumsq) {
+    const float scale = p.norm_weight ? rsqrtf(sumsq() / static_cast<float>(p.k) + p.norm_epsilon) : 1.f;
+    const float b = p.bias ? to_f32(p.bias[out_col]) : 0.f;
+    p.y.column(out_col)[row] = from_f32<T>(p.alpha * scale * sum + b + residual_at(p, row, out_col));
+  };
+  // With K split: the cluster's blocks store every splits-th output of a tile, summing the blocks'
+  // sums (and a normalised row's sums of squares) through distributed shared memory.
+  float* sums = reinterpret_cast<float*>(smem + L::sums_offset(p.row_len, splits));
+  auto store_cluster_total = [&](int tile, int buffer) {
+    const int row = threadIdx.x / kColumns, col = threadIdx.x % kColumns;
+    if (row >= R || threadIdx.x % splits != rank) return;
+    float sum = 0.f, sumsq = 0.f;
+    for (int b = 0; b < splits; ++b) {
+      sum += *peer_address(sums + buffer * R * kColumns + threadIdx.x, b);
+      if (p.norm_weight) sumsq += *peer_address(&norm_sumsq[row], b);
+    }
+    const int64_t out_col = static_cast<int64_t>(tile) * kColumns + col;
+    if (row < p.rows && out_col < p.nout) write(row, out_col, sum, [&] { return sumsq; });
+  };
+
   int walked = 0;  // steps this warp has multiplied: its ring position
   int parity = 0;  // which set of partial tiles this tile uses
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1) {
+  int walked_tiles = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1, ++walked_tiles) {
     float acc[2][kRowTiles][4] = {};
     for (int step = first; step < last; ++step, ++walked) {
       issue(next, (walked + kDepth - 1) % kDepth);  // the slot multiplied one step ago
@@ -407,7 +496,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
       multiply(ring + (walked % kDepth) * kStageBytes, step, acc);
       __syncwarp();
     }
-    // Accumulator j of n8 tile t: column g + 8 (j / 2), activation row 8t + 2q + j % 2.
+    // Accumulator j of n8 tile t: column g + 8 (j / 2), activation row 8t + 2q + j % 2. Two sets
+    // of partial tiles: a set is written again only after the next tile's __syncthreads, which
+    // every thread passes after reading it.
     float* mine = partials + (parity * kWarps + warp) * R * kPartialStride;
 #pragma unroll
     for (int t = 0; t < kRowTiles; ++t)
@@ -415,31 +506,80 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
       for (int j = 0; j < 4; ++j)
         mine[(8 * t + 2 * q + (j & 1)) * kPartialStride + g + 8 * (j >> 1)] = acc[0][t][j] + acc[1][t][j];
     __syncthreads();
-    // One output per thread: row t / 16, column t % 16 of the tile.
+    // Output t of the tile, one per thread: activation row t / 16, column t % 16, summed over the
+    // warps.
     const int row = threadIdx.x / kColumns, col = threadIdx.x % kColumns;
-    const int64_t out_col = static_cast<int64_t>(tile) * kColumns + col;
-    if (row < R && row < p.rows && out_col < p.nout) {
+    auto warp_sum = [&] {
       const float* set = partials + parity * kWarps * R * kPartialStride + row * kPartialStride + col;
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum += set[w * R * kPartialStride];
-      const float scale = p.norm_weight ? rsqrtf(norm_sumsq[row] / static_cast<float>(p.k) + p.norm_epsilon) : 1.f;
-      const float b = p.bias ? to_f32(p.bias[out_col]) : 0.f;
-      p.y.column(out_col)[row] = from_f32<T>(p.alpha * scale * sum + b + residual_at(p, row, out_col));
+      return sum;
+    };
+    if constexpr (!kSplit) {
+      const int64_t out_col = static_cast<int64_t>(tile) * kColumns + col;
+      if (row < R && row < p.rows && out_col < p.nout) write(row, out_col, warp_sum(), [&] { return norm_sumsq[row]; });
+    } else {
+      // The cluster sums a tile one tile late, so that no block waits on its peers between
+      // tiles: the block's sums of tile i go to buffer i % 3 and the cluster barrier's arrive;
+      // after tile i + 1's steps, its wait (long since complete, as a rule) and the reads of tile
+      // i. Buffer i % 3 is written again at tile i + 3, past this block's wait of tile i + 1,
+      // which every peer arrives at only after its reads of tile i.
+      if (row < R) sums[(walked_tiles % 3) * R * kColumns + threadIdx.x] = warp_sum();
+      if (walked_tiles > 0) {
+        cluster_wait();
+        store_cluster_total(tile - static_cast<int>(gridDim.x), (walked_tiles - 1) % 3);
+      }
+      cluster_arrive();
     }
   }
   cp_async_wait<0>();
+  if (kSplit && walked_tiles > 0) {
+    const int last_tile = static_cast<int>(blockIdx.x) + (walked_tiles - 1) * static_cast<int>(gridDim.x);
+    cluster_wait();
+    store_cluster_total(last_tile, (walked_tiles - 1) % 3);
+    cluster_arrive();  // and before leaving, the peers' reads of this block's sums
+    cluster_wait();
+  }
+}
+
+// The least number of blocks a cluster splits K over, from NMCLI_DECODE_MMA_SPLIT (1 if unset):
+// a knob for A/B measurements, like NMCLI_NO_PDL.
+int least_split_asked() {
+  static const int asked = [] {
+    const char* text = std::getenv("NMCLI_DECODE_MMA_SPLIT");
+    return text ? std::clamp(std::atoi(text), 1, kMaxSplit) : 1;
+  }();
+  return asked;
 }
 
 template <typename T, int R, int kN, int kM>
 cudaError_t launch(const PathParams<T>& p, cudaStream_t stream) {
-  const int64_t smem = Layout<R, kN, kM>::bytes(p.row_len);
-  if (smem > kSmemLimit) return cudaErrorInvalidValue;
-  if (cudaError_t e = allow_dynamic_smem<decode_mma_kernel<T, R, kN, kM>>(kSmemLimit); e != cudaSuccess) return e;
-  // One block per SM, walking column tiles (persistent_blocks); programmatic dependent launch.
+  using L = Layout<R, kN, kM>;
+  const int64_t steps = p.row_len / kStepEntries;
+  const int least = L::least_split(p.row_len);
+  if (least == 0) return cudaErrorInvalidValue;
+  const int64_t asked = std::max(least, least_split_asked());
+  const int split = static_cast<int>(std::min<int64_t>(asked, std::max<int64_t>(steps, 1)));  // a step per block
+  if (split > 1 && compute_capability() < 90) return cudaErrorInvalidValue;  // clusters
+  // One block per SM, or one cluster per `split` SMs, walking column tiles (persistent_blocks);
+  // programmatic dependent launch.
   const int64_t tiles = (p.nout + kColumns - 1) / kColumns;
-  return launch_split_k(decode_mma_kernel<T, R, kN, kM>, dim3(persistent_blocks(tiles, multiprocessor_count())),
-                        kThreads, static_cast<size_t>(smem), stream, 1, true, p);
+  if (split == 1) {
+    constexpr auto kernel = decode_mma_kernel<T, R, kN, kM, false>;
+    if (cudaError_t e = allow_dynamic_smem<kernel>(kSmemLimit); e != cudaSuccess) return e;
+    return launch_split_k(kernel, dim3(persistent_blocks(tiles, multiprocessor_count())), kThreads,
+                          static_cast<size_t>(L::bytes(p.row_len, 1)), stream, 1, true, p);
+  }
+  // A split block asks for over half an SM's shared memory, so that clusters spread over the SMs
+  // (the least split needs that much anyway; a larger one asked for through
+  // NMCLI_DECODE_MMA_SPLIT might otherwise put two blocks on one SM).
+  constexpr auto kernel = decode_mma_kernel<T, R, kN, kM, true>;
+  if (cudaError_t e = allow_dynamic_smem<kernel>(kSmemLimit); e != cudaSuccess) return e;
+  const int64_t slots = active_clusters<kernel>(split, kThreads, kSmemLimit);
+  const int64_t smem = std::max<int64_t>(L::bytes(p.row_len, split), kSmemLimit / 2 + 1024);
+  return launch_split_k(kernel, dim3(persistent_blocks(tiles, slots)), kThreads, static_cast<size_t>(smem), stream,
+                        split, true, p);
 }
 
 // Calls f(Int<R>, Int<kN>, Int<kM>) for the kernel of `rows` activation rows (R = 8 up to 8, else
@@ -460,16 +600,20 @@ auto with_kernel(int64_t rows, int n, int m, F&& f, Otherwise otherwise) {
 
 }  // namespace decode_mma
 
-bool decode_mma_supported(int64_t rows, int n, int m, int64_t k) {
-  if (rows < 1 || rows > kDecodeMaxRows || k % 8 != 0 || compute_capability() < 80) return false;
+int decode_mma_split(int64_t rows, int n, int m, int64_t k) {
+  if (rows < 1 || rows > kDecodeMaxRows || k % 8 != 0) return 0;
   const int64_t row_len = NMShape::make(k, 1, n, m).row_len;
   return decode_mma::with_kernel(
       rows, n, m,
       [&](auto r, auto kn, auto km) {
-        return decode_mma::Layout<decltype(r)::value, decltype(kn)::value, decltype(km)::value>::bytes(row_len) <=
-               decode_mma::kSmemLimit;
+        return decode_mma::Layout<decltype(r)::value, decltype(kn)::value, decltype(km)::value>::least_split(row_len);
       },
-      false);
+      0);
+}
+
+bool decode_mma_supported(int64_t rows, int n, int m, int64_t k) {
+  const int split = decode_mma_split(rows, n, m, k);
+  return split > 0 && compute_capability() >= (split > 1 ? 90 : 80);  // clusters from 9.0
 }
 
 template <typename T>

@@ -6,9 +6,12 @@
 // and wgmma_sp at 1..16 rows and the warpgroup paths on N = 1024 and 2048; session 35: decode,
 // decode_mma and wgmma_sp at 1..16 rows, scratch/small35.py, then ab_kernels --path auto; session
 // 36, on an H200: decode_mma reworked, ab_kernels --path auto --path decode_mma (both builds) and
-// --path decode --path wgmma_sp at 2-16 rows on six K = 4096 shapes, run A; the rule, run B):
+// --path decode --path wgmma_sp at 2-16 rows on six K = 4096 shapes, run A; the rule, run B;
+// session 37: decode_mma with K split over a cluster, ab_kernels --path auto|decode|decode_mma|
+// wgmma_sp at 2-16 rows on 11008 and 14336 x 4096, then the rule against HEAD):
 //  * 2:4, 1:4, 2:8 and 1:8 from a few rows (fp16/bf16, K % 8 == 0, the activations of the whole K
-//    in shared memory: K up to 4608-4928 at 9..16 rows, 9984-10560 at 1..8, by family): the
+//    in the shared memory of one block or, K split over a cluster on compute capability 9.0, of
+//    up to 8: K up to 36864-39424 at 9..16 rows, 79872-84480 at 1..8, by family): the
 //    decode-sized tensor-core kernel (decode_mma.cu), to 16 rows (2:4 to 8). It starts at 2 rows
 //    where Nout <= 1024 (run A: 1.14-1.34x decode on 4096 x 1024, every family), at 3 for groups
 //    of 4 (1:4, 2:4: 1.04-1.76x decode at 3 rows on every shape, 2048 x 2048 to 4096 x 28672) and
@@ -21,7 +24,10 @@
 //    before, in one process (run B, 100 points at 2-8 rows on 4096 x 1024, 6144, 14336, 22016,
 //    28672): 68 points 1.02-1.76x, 31 within 2%, 4096 x 14336 2:4 at 8 rows 0.91x. Session 35 (the
 //    first version): 1.34-1.73x the rule before it at 9-16 rows on the K = 4096 LLaMA projections
-//    (wgmma_sp before). Calls that read a 2:4 copy keep it from 9 rows, as does 2:4.
+//    (wgmma_sp before). Calls that read a 2:4 copy keep it from 9 rows, as does 2:4. Where it
+//    splits K (the down projections), from 5 rows while decode stages K once, and 2:4 takes the
+//    sparse tensor cores from 3 rows (session 37: against the rule before, 1.07-1.97x at 3-16
+//    rows on 11008 and 14336 x 4096 where the choice changed).
 //  * 2:4 at 5..8 rows where decode_mma does not take it: the sparse tensor cores where their grid
 //    is as wide as from 9 rows (session 35: 1.25-2.46x decode at 5-8 rows, ab_kernels run D).
 //  * Otherwise 1..8 rows: the decode path.
@@ -87,6 +93,7 @@
 //      4096 rows 0.41-0.94x of wgmma_sp; 2:4 loses to wgmma_sp at every row count. At 8 rows
 //      each won some (vector 4 of 7 points, by 1.05-1.27x; decode 3, by 1.04-1.14x) and at 2-4
 //      rows decode was 1.1-2.0x faster, so 1..8 rows stay on decode here too.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -283,14 +290,21 @@ CudaPath choose_path(const CudaMatMul& call) {
   // 16384, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read a 2:4 copy
   // on the sparse tensor cores from 9 rows, and 2:4 at 5-8 rows on outputs up to 1024 wide, where
   // its 64 column tiles leave half the SMs idle and the sparse tensor cores split K (session 36).
-  // Where its K does not fit, 2:4 at 5-8 rows takes the sparse tensor cores and the rest decode.
+  // Where its K does not fit (K past 36864-39424 at 9..16 rows, 79872-84480 at 1..8), 2:4 at 5-8
+  // rows takes the sparse tensor cores and the rest decode. Where it splits K over a cluster (K
+  // past one block's shared memory, as in the down projections), it starts at 5 rows while decode
+  // stages K in one chunk (session 37: decode 1.04-1.18x at 4 rows on 11008 x 4096, decode_mma
+  // 1.14-1.24x on 14336 x 4096 in two chunks), and 2:4 takes the sparse tensor cores from 3 rows
+  // (1.02-1.16x decode_mma at 3-8 rows there).
   const bool sparse = 4 * call.shape.n <= call.shape.m;
   const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
   const int64_t nout = call.shape.nout;
-  const int64_t decode_mma_from = nout <= kDecodeMmaNarrowestNout                    ? 2
-                                  : call.shape.m == 4 || nout <= kDecodeMmaNarrowNout ? 3
-                                  : nout <= kDecodeMmaMidNout                         ? 4
-                                                                                      : kDecodeMmaFromRows;
+  const bool decode_mma_splits = decode_mma_split(call.rows, call.shape.n, call.shape.m, call.shape.k) > 1;
+  int64_t decode_mma_from = nout <= kDecodeMmaNarrowestNout                    ? 2
+                            : call.shape.m == 4 || nout <= kDecodeMmaNarrowNout ? 3
+                            : nout <= kDecodeMmaMidNout                         ? 4
+                                                                                : kDecodeMmaFromRows;
+  if (decode_mma_splits && decode_single_chunk(call)) decode_mma_from = std::max(decode_mma_from, kDecodeMmaFromRows);
   // (path_supported limits it to the four families decode_mma.cu compiles.)
   const bool decode_mma_takes = call.rows >= decode_mma_from &&
                                 !(call.rows > kDecodeMmaCrossover && (two_of_four || has_copy(call))) &&
@@ -304,9 +318,11 @@ CudaPath choose_path(const CudaMatMul& call) {
   // rows with those weight tiles, else from kWgmmaCrossover rows on kWgmmaMinBlocks blocks.
   const bool sparse_grid = enough_tiles || wgmma_blocks >= kWgmmaSpMinBlocks;
   if (call.rows <= kDecodeMmaCrossover) {
-    const bool two_of_four_sp = two_of_four && call.rows >= kDecodeMmaFromRows && sparse_grid &&
+    const int64_t two_of_four_sp_from = decode_mma_splits ? kTwoOfFourSplitSpFromRows : kDecodeMmaFromRows;
+    const bool two_of_four_sp = two_of_four && call.rows >= two_of_four_sp_from && sparse_grid &&
                                 path_supported(call, CudaPath::wgmma_sp);
-    if (decode_mma_takes && !(two_of_four_sp && nout <= kDecodeMmaNarrowestNout)) return CudaPath::decode_mma;
+    if (decode_mma_takes && !(two_of_four_sp && (nout <= kDecodeMmaNarrowestNout || decode_mma_splits)))
+      return CudaPath::decode_mma;
     return two_of_four_sp ? CudaPath::wgmma_sp : CudaPath::decode;
   }
   if (path_supported(call, CudaPath::vector) && (call.dtype == DType::f32 || vector16_takes(call)))

@@ -36,6 +36,7 @@ constexpr int64_t kDecodeMmaFromRows = 5;   // decode_mma.cu from here at the la
 constexpr int64_t kDecodeMmaNarrowestNout = 1024;  // from 2 rows up to this Nout (2:4 at 5..8 on wgmma_sp),
 constexpr int64_t kDecodeMmaNarrowNout = 4096;     // from 3 up to this one (groups of 4: at every Nout),
 constexpr int64_t kDecodeMmaMidNout = 16384;       // from 4 up to this one
+constexpr int64_t kTwoOfFourSplitSpFromRows = 3;   // 2:4 on wgmma_sp from here where decode_mma splits K
 constexpr int64_t kWgmmaCrossover = 128;    // the wgmma path from this many rows (sm_90) ...
 constexpr int64_t kWgmmaMinBlocks = 16;     // ... when its grid of smallest tiles has this many blocks,
 constexpr int64_t kWgmmaWideTiles = 8;      // and from 17 rows (the sparse one 9) with this many weight tiles
@@ -61,10 +62,13 @@ template <typename T> cudaError_t run_decode(DecodeParamsT<T> p, cudaStream_t st
 // Whether the decode kernel for `rows` stages the activations of the whole K at once (one chunk).
 template <typename T> bool decode_stages_once(int64_t rows, int n, int m, int64_t groups);
 // Decode-sized calls on the tensor cores (decode_mma.cu): fp16/bf16, 1:4, 2:4, 1:8 and 2:8, 1..16
-// rows, K % 8 == 0 where the activations of the whole K fit in shared memory; gates or
-// normalises while it stages X, like run_decode. X, x_up and norm_weight 16-byte aligned.
+// rows, K % 8 == 0 where the activations of the whole K fit in the shared memory of one block or,
+// K split over a cluster (compute capability 9.0), of up to 8; gates or normalises while it
+// stages X, like run_decode. X, x_up and norm_weight 16-byte aligned.
 template <typename T> cudaError_t run_decode_mma(PathParams<T> p, cudaStream_t stream);
 bool decode_mma_supported(int64_t rows, int n, int m, int64_t k);
+// The blocks decode_mma splits K over for such a call (1: none), 0 where it does not take it.
+int decode_mma_split(int64_t rows, int n, int m, int64_t k);
 template <typename T> cudaError_t run_tiled(PathParams<T> p, cudaStream_t stream);
 template <typename T> cudaError_t run_mma(PathParams<T> p, cudaStream_t stream);
 bool mma_supported(int dtype_bytes, int m);
