@@ -1,10 +1,10 @@
 """Whether the kernels of one CUDA source compile to the same PTX in two trees (BENCHMARKS.md,
 session 37): each tree's file goes through `nvcc -ptx`, kernel names are matched after dropping
-a suffix the new tree adds to them (a template argument), and register numbers and labels are
-normalised before the bodies are compared. Same PTX means the same machine code from ptxas, so a
+text the new tree's names add (a template argument's mangling), and register numbers, labels and
+symbol names are normalised before the bodies are compared. Same PTX means the same machine code from ptxas, so a
 change that keeps a kernel's PTX cannot change its speed. No GPU needed.
 
-    python scripts/compare_ptx.py scratch/base kernels/cuda/decode_mma.cu --new-suffix ELb0E
+    python scripts/compare_ptx.py scratch/base kernels/cuda/decode_mma.cu --drop Lb0E
 """
 import argparse
 import re
@@ -36,14 +36,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("base", type=Path, help="the other tree (e.g. git archive <commit> | tar -x -C scratch/base)")
     parser.add_argument("source", help="CUDA source, relative to both trees")
-    parser.add_argument("--new-suffix", default="", help="text the new tree's kernel names add (dropped to match)")
+    parser.add_argument("--drop", default="", help="text the new tree's kernel names add, dropped to match them")
     parser.add_argument("--arch", default="sm_90")
     args = parser.parse_args()
     old = kernels(args.base, args.source, args.arch)
     new = kernels(Path.cwd(), args.source, args.arch)
     matched = 0
     for name, body in sorted(new.items()):
-        base_name = name.replace(args.new_suffix, "E") if args.new_suffix else name
+        base_name = name.replace(args.drop, "") if args.drop else name
         if base_name not in old:
             continue
         matched += 1
