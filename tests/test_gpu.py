@@ -92,13 +92,17 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
                                          (9, 1024, 33), (13, 4096, 1030), (16, 3000, 257), (16, 4096, 4096),
                                          # K split over a cluster: 2 blocks (2:4 1), 2, 4 (2:4 3), 6-7, 8
                                          (16, 4744, 77), (8, 11008, 300), (16, 14336, 130), (3, 60000, 50),
-                                         (16, 36000, 40)])
+                                         (16, 36000, 40),
+                                         # clusters walking several tiles: a partial batch of tile
+                                         # sums (2 blocks), two full batches and a partial one (4)
+                                         (8, 11008, 4100), (16, 14336, 8200)])
 def test_decode_mma_matches_reference(rng, n, m, dtype_name, rows, k, nout):
     """The decode-sized tensor-core path (decode_mma.cu): 8- and 16-row kernels, fewer K steps than
     warps (K = 64), steps not a multiple of the block's 8 warps, Nout not a multiple of its 16-column
     tile, K split over clusters of 2-8 blocks where the activations of all of K do not fit one
-    block's shared memory (the splits in the comment follow decode_mma.cu's Layout), outputs
-    poisoned."""
+    block's shared memory (the splits in the comment follow decode_mma.cu's Layout), clusters that
+    sum their tiles in batches (on an H100 or H200, about 30 clusters of 4 walk 513 tiles: 8 + 8 +
+    2), outputs poisoned."""
     pattern = NMPattern(n, m)
     assert kernels.cuda_path_supported("decode_mma", rows, n, m, dtype_name, k)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)

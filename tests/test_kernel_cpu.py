@@ -157,10 +157,10 @@ def test_library_reports_cuda_when_built_with_nvcc():
     sm90 = _kernels.cuda_path_supported("wgmma", 4096, 4, 16, "bfloat16", 4096)
     sp = "wgmma_sp" if sm90 else "mma"
     # 2:4, 1:4, 2:8 and 1:8 (fp16/bf16, K % 8 == 0, the activations of all of K in shared memory;
-    # compute capability 8.0+): the decode-sized tensor-core kernel from 2 rows where Nout <= 1024,
-    # else from 3 for groups of 4 and, for groups of 8, from 3 where Nout <= 4096, 4 where
-    # Nout <= 16384, else 5; to 8 rows for 2:4 and to 16 for the others, unless a call with a 2:4
-    # copy reads it on the sparse tensor cores from 9 rows.
+    # compute capability 8.0+): the decode-sized tensor-core kernel where Nout <= 1024 from 1 row for
+    # groups of 4 and 2 for groups of 8, else from 3 for groups of 4 and, for groups of 8, from 3
+    # where Nout <= 16384, else 5; to 8 rows for 2:4 and to 16 for the others, unless a call with a
+    # 2:4 copy reads it on the sparse tensor cores from 9 rows.
     tc = _kernels.cuda_path_supported("decode_mma", 16, 2, 8, "float16", 4096)
     dm = "decode_mma" if tc else "decode"
     assert _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 8192) == tc  # 8 rows of K = 8192 fit
@@ -176,34 +176,39 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float32", 4096)
     assert _kernels.cuda_path(1, 2, 8, 4096, 1024, "float16") == "decode"
     assert _kernels.cuda_path(2, 2, 8, 4096, 1024, "float16") == dm
-    assert _kernels.cuda_path(2, 2, 4, 4096, 1024, "float16") == dm
+    assert _kernels.cuda_path(1, 2, 4, 4096, 1024, "float16") == dm
+    assert _kernels.cuda_path(1, 1, 4, 4096, 1024, "bfloat16") == dm
+    assert _kernels.cuda_path(1, 1, 4, 4096, 1040, "float16") == "decode"
     assert _kernels.cuda_path(2, 2, 8, 4096, 1040, "float16") == "decode"
     assert _kernels.cuda_path(3, 1, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(3, 1, 4, 4096, 28672, "float16") == dm  # groups of 4: from 3 rows at any width
     assert _kernels.cuda_path(3, 2, 4, 4096, 14336, "bfloat16") == dm
-    assert _kernels.cuda_path(3, 2, 8, 4096, 14336, "float16") == "decode"
-    assert _kernels.cuda_path(4, 2, 8, 4096, 14336, "float16") == dm
+    assert _kernels.cuda_path(2, 2, 8, 4096, 14336, "float16") == "decode"
+    assert _kernels.cuda_path(3, 2, 8, 4096, 14336, "float16") == dm
+    assert _kernels.cuda_path(3, 1, 8, 4096, 16384, "float16") == dm
+    assert _kernels.cuda_path(4, 1, 8, 4096, 16400, "float16") == "decode"
     assert _kernels.cuda_path(4, 1, 8, 4096, 28672, "bfloat16") == "decode"
     assert _kernels.cuda_path(5, 1, 8, 4096, 28672, "bfloat16") == dm
     assert _kernels.cuda_path(5, 1, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(8, 2, 8, 4096, 1024, "bfloat16") == dm
-    # 2:4 at 5..8 rows: the sparse tensor cores, on the grids they take from 9 rows, where Nout <= 1024
-    # or decode_mma splits K (there from 3 rows, below).
+    # 2:4 at 5..8 rows: the sparse tensor cores, on the grids they take from 9 rows, where decode_mma
+    # splits K (there from 3 rows, below).
     assert _kernels.cuda_path(8, 2, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(4, 2, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(8, 2, 4, 4096, 896, "float16") == dm  # 7 weight tiles: not a sparse tensor-core grid
     assert _kernels.cuda_path(4, 2, 4, 4096, 1024, "float16") == dm
-    assert _kernels.cuda_path(5, 2, 4, 4096, 1024, "float16") == ("wgmma_sp" if sm90 else dm)
+    assert _kernels.cuda_path(5, 2, 4, 4096, 1024, "float16") == dm
     assert _kernels.cuda_path(8, 2, 4, 4096, 28672, "float16") == dm
     assert _kernels.cuda_path(5, 2, 4, 11008, 4096, "bfloat16") == ("wgmma_sp" if sm90 else "decode")
     assert _kernels.cuda_path(8, 2, 4, 11008, 896, "float16") == dm  # 7 weight tiles
     # Where decode_mma splits K (the down projections): 2:4 on the sparse tensor cores from 3 rows,
-    # the others from 5 rows while decode stages K in one chunk (11008 at 1-8 rows; not 14336).
+    # groups of 8 from 5 rows while decode stages K in one chunk (11008 at 1-8 rows; not 14336).
     assert _kernels.cuda_path(3, 2, 4, 11008, 4096, "float16") == ("wgmma_sp" if sm90 else "decode")
     assert _kernels.cuda_path(2, 2, 4, 14336, 4096, "float16") == "decode"
     assert _kernels.cuda_path(8, 2, 4, 14336, 4096, "float16") == ("wgmma_sp" if sm90 else "decode")
     assert _kernels.cuda_path(4, 2, 8, 11008, 4096, "float16") == "decode"
     assert _kernels.cuda_path(5, 1, 8, 11008, 4096, "float16") == dm
+    assert _kernels.cuda_path(3, 1, 4, 11008, 4096, "float16") == dm
     assert _kernels.cuda_path(3, 1, 4, 14336, 4096, "bfloat16") == dm
     assert _kernels.cuda_path(4, 2, 8, 14336, 4096, "float16") == dm
     assert _kernels.cuda_path(8, 1, 8, 4096, 4096, "float16") == dm

@@ -6,9 +6,8 @@
 // (4096 x 4096 2:8 on the H200: 6.9 us at 2 rows, 12.8 at 8, 26.0 at 16, for 10 MB). Here
 // mma.sync m16n8k16 does the products, so rows cost little up to 16 (7.7 us at 2 rows, 8.9 at 8,
 // 12.2 at 16), and its work per stored entry is building the dense weight fragment. At 1-2 rows
-// decode stays faster on most shapes; from 2 to 8 rows, the same MMAs, the time grows about
-// 0.2 us a row there, likely the activations that every block stages whole from L2
-// (BENCHMARKS.md sessions 35 and 36).
+// decode stays faster on most shapes. Every block needs the activations of its whole K slice, so
+// rows still cost bytes out of L2 (BENCHMARKS.md sessions 35, 36 and 38).
 //  * The weights are the MMA's M = 16 side (A, 16 columns x 16 positions) and the activation rows
 //    its N side in n8 tiles (B, from shared memory by ldmatrix), so 1-8 rows take one MMA per 16
 //    positions and 9-16 two, with no zero rows multiplied.
@@ -21,20 +20,24 @@
 //    string in one shift and one LOP3.
 //  * Each warp owns 16 output columns and a share of K: a block's 8 warps split a column tile's K
 //    steps and sum their partial tiles through shared memory. The block walks column tiles
-//    blockIdx.x, + gridDim.x, ... (one block per SM) and stages the activations once.
+//    blockIdx.x, + gridDim.x, ... (one block per SM) and stages the activations once: each warp
+//    copies those of its own steps with the first tile's weight steps, so its first step waits
+//    for one step of activations, not for all of them (session 38: 1.05-1.55x on 1-16 rows).
 //  * Where the activations of all of K do not fit one block's shared memory (K past 4608-4928 at
 //    9-16 rows, 9984-10560 at 1-8, by family), K is split over a cluster of 2-8 blocks (the fewest
 //    that fit): each stages and walks its slice of the steps for the same column tiles, and the
-//    blocks' sums of a tile meet through distributed shared memory, with no workspace and no
-//    second kernel. That lifts the limit to K = 36864-39424 at 9-16 rows, 79872-84480 at 1-8.
+//    blocks' sums meet through distributed shared memory in batches of up to 8 tiles, with no
+//    workspace and no second kernel. That lifts the limit to K = 36864-39424 at 9-16 rows,
+//    79872-84480 at 1-8.
 //  * A step is 32 stored entries of each of the warp's 16 columns (the row padding unit of the
 //    format, so no step runs past a row). Its values and offset words go global -> shared with
 //    cp.async into a ring of kDepth steps per warp, from per-lane sources set once per tile; the
 //    first steps and the selector table (built by the compiler) are copied before the kernel
 //    waits on the previous one (the weights are constants), like the decode kernel.
 //  * The activations are staged as T, rows of the 16 (or 8) MMA rows, zeros past K and past the
-//    call's rows; the gated and normalised prologues (kernels/fusion.h) are applied while staging,
-//    and a normalised row's 1 / rms scales its sums at the end, as in the decode kernel.
+//    call's rows; the gated and normalised prologues (kernels/fusion.h) are applied while staging
+//    (by the whole block, before the first step), and a normalised row's 1 / rms scales its sums
+//    at the end, as in the decode kernel.
 #include <algorithm>
 #include <cstdlib>
 #include <type_traits>
@@ -176,13 +179,19 @@ struct Layout {
     return (row_len / kStepEntries + split - 1) / split;
   }
   // With K split, three buffers of the block's tile sums follow (at the same offset in every block
-  // of the cluster, which reads them in its peers).
-  static constexpr int kSumsBytes = 3 * R * kColumns * 4;
+  // of the cluster, which reads them in its peers), each for a batch of 1 to kMaxBatch tiles: as
+  // many as the shared memory left holds.
+  static constexpr int kTileSumsBytes = R * kColumns * 4;
+  static constexpr int kMaxBatch = 8;
   __host__ __device__ static int64_t sums_offset(int64_t row_len, int split) {
     return kXOffset + static_cast<int64_t>(R) * (slice_steps(row_len, split) * Family<kN, kM>::kPositions + 8) * 2;
   }
+  __host__ __device__ static int batch_tiles(int64_t row_len, int split) {
+    const int64_t room = (kSmemLimit - sums_offset(row_len, split)) / (3 * kTileSumsBytes);
+    return room < 1 ? 1 : room > kMaxBatch ? kMaxBatch : static_cast<int>(room);
+  }
   static int64_t bytes(int64_t row_len, int split) {
-    return sums_offset(row_len, split) + (split > 1 ? kSumsBytes : 0);
+    return sums_offset(row_len, split) + (split > 1 ? 3 * batch_tiles(row_len, split) * kTileSumsBytes : 0);
   }
   // The fewest blocks a cluster needs for the activations of their slices to fit; 0 past kMaxSplit.
   static int least_split(int64_t row_len) {
@@ -351,8 +360,33 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   const uint32_t index_dst0 = smem_addr(ring + kValueBytes) + (lane / F::kBits) * 16 + (lane % F::kBits) * 4;
   const uint32_t index_dst1 =
       smem_addr(ring + kValueBytes) + ((lane + 32) / F::kBits) * 16 + ((lane + 32) % F::kBits) * 4;
-  // Copies step s into ring slot `slot`; always commits a group, so every warp counts its groups
-  // alike.
+  // X as it is (no prologue) goes over with the weights, each warp copying the activations of its
+  // own steps with the steps of the block's first tile (later tiles reuse them): its first step
+  // waits for its own first step of X, not for the whole block's (session 38, Nsight Compute on
+  // 16 x 4096 x 4096: staging all of X, then waiting for it, held 42% of the warps' samples).
+  // Chunk i = lane + 32 j of the step's R x kPositions / 8 16-byte chunks is row i / kRowChunks,
+  // chunk i % kRowChunks.
+  const bool plain_x = p.glu == Glu::none && !p.norm_weight;
+  constexpr int kRowChunks = F::kPositions / 8, kRowsPerCopy = 32 / kRowChunks, kXCopies = R / kRowsPerCopy;
+  static_assert(32 % kRowChunks == 0 && R % kRowsPerCopy == 0, "a step's chunks cover whole rows, 32 at a time");
+  const int x_row = lane / kRowChunks, x_chunk = lane % kRowChunks;
+  const T* x_src = p.x + x_row * p.k + x_chunk * 8;  // the lane's first copy at step 0
+  const int64_t x_src_apart = kRowsPerCopy * p.k;   // between its copies
+  const uint32_t x_dst = smem_addr(xs + x_row * stride + x_chunk * 8), x_dst_apart = kRowsPerCopy * stride * sizeof(T);
+  auto stage_x = [&](int step) {
+    const int64_t k = static_cast<int64_t>(step) * F::kPositions;
+    const T* src = x_src + k;
+    const uint32_t dst = x_dst + (step - slice_first) * F::kPositions * static_cast<uint32_t>(sizeof(T));
+    const bool inside = k + x_chunk * 8 < p.k;
+#pragma unroll
+    for (int j = 0; j < kXCopies; ++j) {
+      const bool real = inside && x_row + j * kRowsPerCopy < p.rows;
+      cp_async16(dst + j * x_dst_apart, real ? src + j * x_src_apart : p.x, real);
+    }
+  };
+  bool x_readable = false;  // past the wait for the previous kernel
+  // Copies step s into ring slot `slot` (and in the first tile its X); always commits a group, so
+  // every warp counts its groups alike.
   auto issue = [&](const Step& s, int slot) {
     if (first < last && s.tile < tiles) {
       const uint32_t stage = slot * kStageBytes;
@@ -363,6 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
       if constexpr (kIndexCopies == 2)
         if (lane < kColumns * F::kBits - 32)
           cp_async4(index_dst1 + stage, s.index[1] + s.step * F::kBits, s.index_ok[1]);
+      if (plain_x && x_readable && s.tile == static_cast<int>(blockIdx.x)) stage_x(s.step);
     }
     cp_async_commit();
   };
@@ -382,13 +417,26 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   }
   wait_for_previous_kernel();
   allow_next_kernel();
-  if (p.norm_weight) {
-    if (threadIdx.x < R) norm_sumsq[threadIdx.x] = 0.f;
-    __syncthreads();
+  if (plain_x) {
+    // X of the steps issued above, a group each, so that the loop's wait finds a step's X and
+    // weights landed together: groups W0..W(d-1), X0..X(d-1), then W(d) with X(d), ... (d =
+    // kDepth - 1); the first waits for W0 and X0 alone.
+    x_readable = true;
+    for (int d = 0, step = first, tile = blockIdx.x; d < kDepth - 1; ++d) {
+      if (first < last && tile == static_cast<int>(blockIdx.x)) stage_x(step);
+      cp_async_commit();
+      if (++step >= last) step = first, tile += gridDim.x;
+    }
+    cp_async_wait<2 * (kDepth - 1) - 1>();  // the table, copied with W0
+  } else {
+    if (p.norm_weight) {
+      if (threadIdx.x < R) norm_sumsq[threadIdx.x] = 0.f;
+      __syncthreads();
+    }
+    stage_activations<T, R>(p, xs, stride, static_cast<int64_t>(slice_first) * F::kPositions, staged,
+                            p.norm_weight ? norm_sumsq : nullptr);
+    cp_async_wait<0>();  // the table too
   }
-  stage_activations<T, R>(p, xs, stride, static_cast<int64_t>(slice_first) * F::kPositions, staged,
-                          p.norm_weight ? norm_sumsq : nullptr);
-  cp_async_wait<0>();  // the table too
   __syncthreads();
 
   // The lane's weight columns are g and 8 + g of the stage (MMA rows g and g + 8). Its group in a
@@ -471,16 +519,22 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   // With K split: the cluster's blocks store every splits-th output of a tile, summing the blocks'
   // sums (and a normalised row's sums of squares) through distributed shared memory.
   float* sums = reinterpret_cast<float*>(smem + L::sums_offset(p.row_len, splits));
-  auto store_cluster_total = [&](int tile, int buffer) {
+  const int batch = kSplit ? L::batch_tiles(p.row_len, splits) : 1;
+  // The outputs of the block's walked tiles [b * batch, b * batch + count), from buffer b % 3.
+  auto store_cluster_totals = [&](int b, int count) {
     const int row = threadIdx.x / kColumns, col = threadIdx.x % kColumns;
     if (row >= R || threadIdx.x % splits != rank) return;
-    float sum = 0.f, sumsq = 0.f;
-    for (int b = 0; b < splits; ++b) {
-      sum += *peer_address(sums + buffer * R * kColumns + threadIdx.x, b);
-      if (p.norm_weight) sumsq += *peer_address(&norm_sumsq[row], b);
+    float sumsq = 0.f;
+    if (p.norm_weight)
+      for (int r = 0; r < splits; ++r) sumsq += *peer_address(&norm_sumsq[row], r);
+    for (int i = 0; i < count; ++i) {
+      const float* slot = sums + ((b % 3) * batch + i) * R * kColumns + threadIdx.x;
+      float sum = 0.f;
+      for (int r = 0; r < splits; ++r) sum += *peer_address(slot, r);
+      const int64_t tile = blockIdx.x + static_cast<int64_t>(b * batch + i) * gridDim.x;
+      const int64_t out_col = tile * kColumns + col;
+      if (row < p.rows && out_col < p.nout) write(row, out_col, sum, [&] { return sumsq; });
     }
-    const int64_t out_col = static_cast<int64_t>(tile) * kColumns + col;
-    if (row < p.rows && out_col < p.nout) write(row, out_col, sum, [&] { return sumsq; });
   };
 
   int walked = 0;  // steps this warp has multiplied: its ring position
@@ -520,25 +574,41 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
       const int64_t out_col = static_cast<int64_t>(tile) * kColumns + col;
       if (row < R && row < p.rows && out_col < p.nout) write(row, out_col, warp_sum(), [&] { return norm_sumsq[row]; });
     } else {
-      // The cluster sums a tile one tile late, so that no block waits on its peers between
-      // tiles: the block's sums of tile i go to buffer i % 3 and the cluster barrier's arrive;
-      // after tile i + 1's steps, its wait (long since complete, as a rule) and the reads of tile
-      // i. Buffer i % 3 is written again at tile i + 3, past this block's wait of tile i + 1,
-      // which every peer arrives at only after its reads of tile i.
-      if (row < R) sums[(walked_tiles % 3) * R * kColumns + threadIdx.x] = warp_sum();
-      if (walked_tiles > 0) {
-        cluster_wait();
-        store_cluster_total(tile - static_cast<int>(gridDim.x), (walked_tiles - 1) % 3);
+      // The cluster sums the tiles in batches, one batch late, so that no block waits on its
+      // peers between tiles and the barrier comes once a batch (its release arrive compiles to a
+      // MEMBAR.ALL.GPU, on which Nsight Compute found 7% of the samples at 16 x 14336 x 4096 with
+      // a barrier every tile; session 38 on the down projections at 9-16 rows: 1.02-1.05x the
+      // kernel before without batches, 1.13-1.24x with them). The block's sums of batch i go to
+      // buffer i % 3 and the cluster barrier's arrive; after batch i + 1, its wait (long since
+      // complete, as a rule) and the reads of batch i. Buffer i % 3 is written again in batch
+      // i + 3, past this block's wait after batch i + 1, which every peer arrives at only after
+      // its reads of batch i.
+      const int b = walked_tiles / batch, i = walked_tiles % batch;
+      if (row < R) sums[((b % 3) * batch + i) * R * kColumns + threadIdx.x] = warp_sum();
+      if (i == batch - 1) {
+        if (b > 0) {
+          cluster_wait();
+          store_cluster_totals(b - 1, batch);
+        }
+        cluster_arrive();
       }
-      cluster_arrive();
     }
   }
   cp_async_wait<0>();
   if (kSplit && walked_tiles > 0) {
-    const int last_tile = static_cast<int>(blockIdx.x) + (walked_tiles - 1) * static_cast<int>(gridDim.x);
-    cluster_wait();
-    store_cluster_total(last_tile, (walked_tiles - 1) % 3);
-    cluster_arrive();  // and before leaving, the peers' reads of this block's sums
+    // The last full batch, a partial one after it, and before leaving, the peers' reads of this
+    // block's sums (barrier arrives and waits alternate).
+    const int full = walked_tiles / batch, rest = walked_tiles % batch;
+    if (full > 0) {
+      cluster_wait();
+      store_cluster_totals(full - 1, batch);
+    }
+    if (rest > 0) {
+      cluster_arrive();
+      cluster_wait();
+      store_cluster_totals(full, rest);
+    }
+    cluster_arrive();
     cluster_wait();
   }
 }

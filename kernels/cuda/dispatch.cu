@@ -8,26 +8,30 @@
 // 36, on an H200: decode_mma reworked, ab_kernels --path auto --path decode_mma (both builds) and
 // --path decode --path wgmma_sp at 2-16 rows on six K = 4096 shapes, run A; the rule, run B;
 // session 37: decode_mma with K split over a cluster, ab_kernels --path auto|decode|decode_mma|
-// wgmma_sp at 2-16 rows on 11008 and 14336 x 4096, then the rule against HEAD):
+// wgmma_sp at 2-16 rows on 11008 and 14336 x 4096, then the rule against HEAD; session 38:
+// decode_mma faster (each warp copies its own steps' activations), ab_kernels --path
+// auto|decode|decode_mma|wgmma_sp at 1-8 rows on nine shapes, 2048 x 2048 to 4096 x 28672):
 //  * 2:4, 1:4, 2:8 and 1:8 from a few rows (fp16/bf16, K % 8 == 0, the activations of the whole K
 //    in the shared memory of one block or, K split over a cluster on compute capability 9.0, of
 //    up to 8: K up to 36864-39424 at 9..16 rows, 79872-84480 at 1..8, by family): the
-//    decode-sized tensor-core kernel (decode_mma.cu), to 16 rows (2:4 to 8). It starts at 2 rows
-//    where Nout <= 1024 (run A: 1.14-1.34x decode on 4096 x 1024, every family), at 3 for groups
-//    of 4 (1:4, 2:4: 1.04-1.76x decode at 3 rows on every shape, 2048 x 2048 to 4096 x 28672) and
-//    for groups of 8 at 3 where Nout <= 4096, 4 where Nout <= 16384, else 5 (1:8 and 2:8 at 3-4
-//    rows: decode 1.02-1.12x faster on 4096 x 11008 and 28672, decode_mma 1.03-1.06x on 14336; at
-//    2 rows decode won on 2048 x 2048 and wider, 1.04-1.37x). 2:4 at 5..8 rows keeps the sparse
-//    tensor cores where Nout <= 1024 (decode_mma's 64 column tiles on 132 SMs: 0.85-0.93x of them
-//    on 4096 x 1024) and takes decode_mma elsewhere (1.00-1.16x wgmma_sp on 2048 x 2048, 4096 x
-//    4096, 11008 and 28672; 1.00x at 5 rows and 0.91x at 8 on 4096 x 14336). Against the rule
-//    before, in one process (run B, 100 points at 2-8 rows on 4096 x 1024, 6144, 14336, 22016,
-//    28672): 68 points 1.02-1.76x, 31 within 2%, 4096 x 14336 2:4 at 8 rows 0.91x. Session 35 (the
-//    first version): 1.34-1.73x the rule before it at 9-16 rows on the K = 4096 LLaMA projections
-//    (wgmma_sp before). Calls that read a 2:4 copy keep it from 9 rows, as does 2:4. Where it
-//    splits K (the down projections), from 5 rows while decode stages K once, and 2:4 takes the
-//    sparse tensor cores from 3 rows (session 37: against the rule before, 1.07-1.97x at 3-16
-//    rows on 11008 and 14336 x 4096 where the choice changed).
+//    decode-sized tensor-core kernel (decode_mma.cu), to 16 rows (2:4 to 8). Where Nout <= 1024
+//    it starts at 1 row for groups of 4 (1:4, 2:4) and 2 for groups of 8 (session 38: 1.08x and
+//    1.26x decode at 1 row on 4096 x 1024 for 1:4 and 2:4, level for 1:8 and 2:8; session 36:
+//    1.14-1.34x decode at 2 rows, every family), else at 3 for groups of 4 (1.04-1.76x decode at 3
+//    rows, 2048 x 2048 to 4096 x 28672) and for groups of 8 at 3 where Nout <= 16384, else 5
+//    (session 38: 1.02-1.08x decode at 3 rows on 4096 x 11008 and 14336; decode 1.07-1.09x at 3-4
+//    rows on 4096 x 28672; session 36: at 2 rows decode won on 2048 x 2048 and wider). 2:4 takes
+//    it to 8 rows on every width (session 38: 1.08-1.15x the sparse tensor cores at 5-8 rows on
+//    4096 x 1024, which session 36 gave to them; 0.93-0.98x at 7-8 rows on 4096 x 14336, the one
+//    shape of 14 where they won). Session 36 against the rule before it (run B, 100 points at 2-8
+//    rows on 4096 x 1024, 6144, 14336, 22016, 28672): 68 points 1.02-1.76x, 31 within 2%. Session
+//    35 (the first version): 1.34-1.73x the rule before it at 9-16 rows on the K = 4096 LLaMA
+//    projections (wgmma_sp before). Calls that read a 2:4 copy keep it from 9 rows, as does 2:4.
+//    Where it splits K (the down projections), groups of 8 start at 5 rows while decode stages K
+//    once (session 37: decode 1.04-1.18x at 4 rows on 11008 x 4096; session 38: for 1:4 decode_mma
+//    1.03-1.05x at 3-4 rows there), and 2:4 takes the sparse tensor cores from 3 rows (session 37:
+//    against the rule before, 1.07-1.97x at 3-16 rows on 11008 and 14336 x 4096 where the choice
+//    changed).
 //  * 2:4 at 5..8 rows where decode_mma does not take it: the sparse tensor cores where their grid
 //    is as wide as from 9 rows (session 35: 1.25-2.46x decode at 5-8 rows, ab_kernels run D).
 //  * Otherwise 1..8 rows: the decode path.
@@ -285,26 +289,26 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
 }
 
 CudaPath choose_path(const CudaMatMul& call) {
-  // The decode-sized tensor-core kernel for 2:4, 1:4, 2:8 and 1:8 from 2 rows on outputs up to
-  // 1024 wide, else from 3 for groups of 4 and, for groups of 8, from 3 up to 4096 wide, 4 up to
-  // 16384, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read a 2:4 copy
-  // on the sparse tensor cores from 9 rows, and 2:4 at 5-8 rows on outputs up to 1024 wide, where
-  // its 64 column tiles leave half the SMs idle and the sparse tensor cores split K (session 36).
-  // Where its K does not fit (K past 36864-39424 at 9..16 rows, 79872-84480 at 1..8), 2:4 at 5-8
-  // rows takes the sparse tensor cores and the rest decode. Where it splits K over a cluster (K
-  // past one block's shared memory, as in the down projections), it starts at 5 rows while decode
-  // stages K in one chunk (session 37: decode 1.04-1.18x at 4 rows on 11008 x 4096, decode_mma
-  // 1.14-1.24x on 14336 x 4096 in two chunks), and 2:4 takes the sparse tensor cores from 3 rows
-  // (1.02-1.16x decode_mma at 3-8 rows there).
+  // The decode-sized tensor-core kernel for 2:4, 1:4, 2:8 and 1:8 on outputs up to 1024 wide from
+  // 1 row (groups of 4) or 2 (groups of 8), else from 3 for groups of 4 and, for groups of 8, from
+  // 3 up to 16384 wide, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read
+  // a 2:4 copy on the sparse tensor cores from 9 rows. Where its K does not fit (K past
+  // 36864-39424 at 9..16 rows, 79872-84480 at 1..8), 2:4 at 5-8 rows takes the sparse tensor cores
+  // and the rest decode. Where it splits K over a cluster (K past one block's shared memory, as in
+  // the down projections), groups of 8 start at 5 rows while decode stages K in one chunk (session
+  // 37: decode 1.04-1.18x at 4 rows on 11008 x 4096, decode_mma 1.14-1.24x on 14336 x 4096 in two
+  // chunks), and 2:4 takes the sparse tensor cores from 3 rows (1.02-1.16x decode_mma at 3-8 rows
+  // there).
   const bool sparse = 4 * call.shape.n <= call.shape.m;
   const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
   const int64_t nout = call.shape.nout;
   const bool decode_mma_splits = decode_mma_split(call.rows, call.shape.n, call.shape.m, call.shape.k) > 1;
-  int64_t decode_mma_from = nout <= kDecodeMmaNarrowestNout                    ? 2
-                            : call.shape.m == 4 || nout <= kDecodeMmaNarrowNout ? 3
-                            : nout <= kDecodeMmaMidNout                         ? 4
-                                                                                : kDecodeMmaFromRows;
-  if (decode_mma_splits && decode_single_chunk(call)) decode_mma_from = std::max(decode_mma_from, kDecodeMmaFromRows);
+  const bool groups_of_4 = call.shape.m == 4;
+  int64_t decode_mma_from = nout <= kDecodeMmaNarrowestNout ? (groups_of_4 ? 1 : 2)
+                            : groups_of_4 || nout <= kDecodeMmaMidNout ? 3
+                                                                       : kDecodeMmaFromRows;
+  if (decode_mma_splits && !groups_of_4 && decode_single_chunk(call))
+    decode_mma_from = std::max(decode_mma_from, kDecodeMmaFromRows);
   // (path_supported limits it to the four families decode_mma.cu compiles.)
   const bool decode_mma_takes = call.rows >= decode_mma_from &&
                                 !(call.rows > kDecodeMmaCrossover && (two_of_four || has_copy(call))) &&
@@ -321,8 +325,7 @@ CudaPath choose_path(const CudaMatMul& call) {
     const int64_t two_of_four_sp_from = decode_mma_splits ? kTwoOfFourSplitSpFromRows : kDecodeMmaFromRows;
     const bool two_of_four_sp = two_of_four && call.rows >= two_of_four_sp_from && sparse_grid &&
                                 path_supported(call, CudaPath::wgmma_sp);
-    if (decode_mma_takes && !(two_of_four_sp && (nout <= kDecodeMmaNarrowestNout || decode_mma_splits)))
-      return CudaPath::decode_mma;
+    if (decode_mma_takes && !(two_of_four_sp && decode_mma_splits)) return CudaPath::decode_mma;
     return two_of_four_sp ? CudaPath::wgmma_sp : CudaPath::decode;
   }
   if (path_supported(call, CudaPath::vector) && (call.dtype == DType::f32 || vector16_takes(call)))

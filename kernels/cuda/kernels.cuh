@@ -33,9 +33,8 @@ struct DecodeParamsT : PathParams<T> {
 constexpr int64_t kDecodeMaxRows = 16;  // the decode path handles 1..16 activation rows
 constexpr int64_t kDecodeMmaCrossover = 8;  // ... and is faster than the mma path up to 8
 constexpr int64_t kDecodeMmaFromRows = 5;   // decode_mma.cu from here at the latest (2:4 on wgmma_sp too),
-constexpr int64_t kDecodeMmaNarrowestNout = 1024;  // from 2 rows up to this Nout (2:4 at 5..8 on wgmma_sp),
-constexpr int64_t kDecodeMmaNarrowNout = 4096;     // from 3 up to this one (groups of 4: at every Nout),
-constexpr int64_t kDecodeMmaMidNout = 16384;       // from 4 up to this one
+constexpr int64_t kDecodeMmaNarrowestNout = 1024;  // from 1 row (groups of 4) or 2 up to this Nout,
+constexpr int64_t kDecodeMmaMidNout = 16384;       // from 3 up to this one (groups of 4: at every Nout)
 constexpr int64_t kTwoOfFourSplitSpFromRows = 3;   // 2:4 on wgmma_sp from here where decode_mma splits K
 constexpr int64_t kWgmmaCrossover = 128;    // the wgmma path from this many rows (sm_90) ...
 constexpr int64_t kWgmmaMinBlocks = 16;     // ... when its grid of smallest tiles has this many blocks,
