@@ -425,7 +425,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     for (int d = 0, step = first, tile = blockIdx.x; d < kDepth - 1; ++d) {
       if (first < last && tile == static_cast<int>(blockIdx.x)) stage_x(step);
       cp_async_commit();
-      if (++step >= last) step = first, tile += gridDim.x;
+      if (++step >= last) {
+        step = first;
+        tile += gridDim.x;
+      }
     }
     cp_async_wait<2 * (kDepth - 1) - 1>();  // the table, copied with W0
   } else {
