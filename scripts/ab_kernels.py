@@ -28,8 +28,7 @@ import torch
 
 from nmcli import _kernels as installed
 from nmcli import bench_kernels
-from nmcli.format import NMPattern, pack
-from nmcli.masks import choose_offsets
+from nmcli.format import NMPattern
 
 # (K, Nout): LLaMA-7B/8B projections, with the fused Q/K/V (12288) and gate/up (28672) widths.
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 12288), (4096, 28672)]
@@ -93,8 +92,7 @@ def main() -> None:
     for k, n in shapes:
         for nm in args.nm or ["2:8", "2:4"]:
             pattern = NMPattern.parse(nm)
-            w = rng.standard_normal((k, n)).astype(np.float32)
-            packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
+            packed, _ = bench_kernels._random_packed(k, n, pattern, 0, False, rng)
             values = torch.from_numpy(packed.values).to("cuda", getattr(torch, args.dtype))
             indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
             for m in args.rows or [1]:

@@ -9,9 +9,8 @@ import argparse
 import numpy as np
 import torch
 
-from nmcli import _kernels
-from nmcli.format import NMPattern, pack
-from nmcli.masks import choose_offsets
+from nmcli import _kernels, bench_kernels
+from nmcli.format import NMPattern
 
 
 def main() -> None:
@@ -26,9 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     pattern = NMPattern.parse(args.nm)
     dtype = getattr(torch, args.dtype)
-    rng = np.random.default_rng()
-    w = rng.standard_normal((args.k, args.nout)).astype(np.float32)
-    packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
+    packed, _ = bench_kernels._random_packed(args.k, args.nout, pattern, 0, False, np.random.default_rng())
     values = torch.from_numpy(packed.values).to("cuda", dtype)
     indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
     x = torch.randn(args.rows, args.k, device="cuda", dtype=dtype)

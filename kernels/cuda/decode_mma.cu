@@ -201,30 +201,18 @@ struct Layout {
   }
 };
 
-// Stages A (X, gated, or X * norm_weight) for rows [0, R) and positions [k0, k0 + staged) as T:
-// zeros past K and past the call's rows. With `sumsq`, adds each row's sum of squares of X over
-// those positions into it.
-// Needs K % 8 == 0 and 16-byte aligned X, x_up and norm_weight (decode_mma_supported). X as it is
-// goes over with cp.async, every copy in flight at once; a prologue's loads go 4 rows at a time
-// (one row at a time, each thread's loads waited for one after another: 1 row 10.2 us, 8 rows
-// 15.1 us on 4096 x 4096 in run A).
+// Stages A with a prologue (gated, or X * norm_weight; X as it is goes over with the weight steps,
+// in the kernel) for rows [0, R) and positions [k0, k0 + staged) as T: zeros past K and past the
+// call's rows. With `sumsq`, adds each row's sum of squares of X over those positions into it.
+// Needs K % 8 == 0 and 16-byte aligned X, x_up and norm_weight (decode_mma_supported). The loads go
+// 4 rows at a time (one row at a time, each thread's loads waited for one after another: 1 row
+// 10.2 us, 8 rows 15.1 us on 4096 x 4096 in run A).
 template <typename T, int R>
 __device__ __forceinline__ void stage_activations(const PathParams<T>& p, T* xs, int stride, int64_t k0, int staged,
                                                   float* sumsq) {
   const bool gate = p.glu != Glu::none;
   const T* gamma = p.norm_weight;
   const int chunks = staged / 8;  // 16-byte chunks per row
-  if (!gate && !gamma) {
-    for (int idx = threadIdx.x; idx < R * chunks; idx += kThreads) {
-      const int r = idx / chunks;
-      const int64_t staged_k = static_cast<int64_t>(idx - r * chunks) * 8, k = k0 + staged_k;
-      const bool real = r < p.rows && k < p.k;
-      sm90::cp_async16(sm90::smem_addr(xs + r * stride + staged_k), real ? p.x + r * p.k + k : p.x, real);
-    }
-    sm90::cp_async_commit();
-    sm90::cp_async_wait<0>();
-    return;
-  }
   constexpr int kBatch = 4;
   for (int r0 = 0; r0 < R; r0 += kBatch) {
     float squares[kBatch] = {};
@@ -410,8 +398,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   Step next{};
   next.step = first;
   at_tile(next, blockIdx.x);
+  int early[kDepth - 1];  // the steps issued before the wait, while they are the first tile's
 #pragma unroll
   for (int d = 0; d < kDepth - 1; ++d) {
+    early[d] = next.tile == static_cast<int>(blockIdx.x) ? next.step : -1;
     issue(next, d);
     advance(next);
   }
@@ -422,13 +412,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     // weights landed together: groups W0..W(d-1), X0..X(d-1), then W(d) with X(d), ... (d =
     // kDepth - 1); the first waits for W0 and X0 alone.
     x_readable = true;
-    for (int d = 0, step = first, tile = blockIdx.x; d < kDepth - 1; ++d) {
-      if (first < last && tile == static_cast<int>(blockIdx.x)) stage_x(step);
+#pragma unroll
+    for (int d = 0; d < kDepth - 1; ++d) {
+      if (first < last && early[d] >= 0) stage_x(early[d]);
       cp_async_commit();
-      if (++step >= last) {
-        step = first;
-        tile += gridDim.x;
-      }
     }
     cp_async_wait<2 * (kDepth - 1) - 1>();  // the table, copied with W0
   } else {
