@@ -111,6 +111,24 @@ def test_decode_mma_matches_reference(rng, n, m, dtype_name, rows, k, nout):
     assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
 
 
+@pytest.mark.parametrize("n,m", [(1, 4), (1, 8), (2, 8)])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows,k,nout", [(17, 4104, 4100), (64, 2048, 12300), (33, 11008, 11008), (5, 1032, 22000)])
+def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nout):
+    """The sparse tensor cores' regrouping kernel with two blocks of 64-row tiles per SM
+    (wgmma_sp.cu, two_per_sm_split), which takes calls of up to 64 rows whose grid reaches 5/4 of
+    the SMs: on 132 SMs 33 weight tiles split 5 ways (the last tile 4 columns, K a step past a
+    whole number of 64-position steps), 97 tiles split 2 ways, 86 split 2 ways with a row count
+    off the 8-row MMA grain, and 172 tiles unsplit at 5 rows (K past 16 steps). Outputs poisoned."""
+    if not kernels.cuda_path_supported("wgmma_sp", rows, n, m, dtype_name, k):
+        pytest.skip("no sm_90a device")
+    pattern = NMPattern(n, m)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    [y] = run_cuda(x, packed, bias, 0.75, dtype_name, "wgmma_sp")
+    assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
+
+
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]
 
 

@@ -425,8 +425,9 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, int64_t t, 
 // A step of the regrouping kernel in shared memory: the activation tile (128-byte swizzle), the
 // regrouped 2:4 tile (64-byte swizzle), the packed tile as copied (values, then offset words) and
 // the regrouped tile's metadata words; a ring of kStages steps, then the stages' "full", "ready"
-// and "empty" barriers, then the regrouping table.
-template <int kN, int kM, int kRows>
+// and "empty" barriers, then the regrouping table. kPerSm blocks share an SM: 1, or 2 with a ring
+// of at most 100 KB each (two_per_sm_split).
+template <int kN, int kM, int kRows, int kPerSm = 1>
 struct RegroupLayout {
   using F = sm90::Family<kN, kM>;
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
@@ -434,7 +435,7 @@ struct RegroupLayout {
   static constexpr size_t kPacked = (F::kTileBytes + 127) / 128 * 128;
   static constexpr size_t kMeta = kThreads * 4;
   static constexpr size_t kStage = (kX + kA + kPacked + kMeta + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
-  static constexpr int kFit = static_cast<int>(216 * 1024 / kStage);
+  static constexpr int kFit = static_cast<int>((kPerSm == 1 ? 216 : 100) * 1024 / kStage);
   static constexpr int kGroup = kFit >= 8 ? 4 : 2;  // steps per group, issued in halves (consume)
   static constexpr int kStages = kFit / kGroup * kGroup;
   static constexpr size_t kBarriers = kStages * kStage;
@@ -443,7 +444,8 @@ struct RegroupLayout {
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group is copied and regrouped");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
-  static_assert(kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
+  static_assert(kPerSm == 2 || kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
+  static_assert(kPerSm == 1 || 2 * (kBytes + 1024) <= 228 * 1024, "two blocks (and their reserved 1 KB) per SM");
 };
 
 
@@ -456,11 +458,11 @@ struct RegroupLayout {
 // barrier per group of steps; this kernel is 1.06-1.25x that one at 256-4096 rows, 0.92-1.10x at
 // 17-64 (BENCHMARKS.md, session 18). Regrouping inside the multiplying warpgroups instead ran
 // 0.78-0.90x (session 17).
-template <typename T, int kN, int kM, int kRows, bool kEarly>
-__global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProducerThreads, 1)
+template <typename T, int kN, int kM, int kRows, bool kEarly, int kPerSm>
+__global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProducerThreads, kPerSm)
     wgmma_regroup_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = RegroupLayout<kN, kM, kRows>;
+  using L = RegroupLayout<kN, kM, kRows, kPerSm>;
   using F = typename L::F;
   constexpr int S = L::kStages, G = L::kGroup;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -566,17 +568,48 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
 
 // The regrouping kernel's launch: its packed values are copied by TMA without a swizzle (the
 // regrouping threads read them as laid out in the format), kEntries per row and step.
-template <typename T, int kN, int kM, int kRows>
+template <typename T, int kN, int kM, int kRows, int kPerSm = 1>
 cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
   using F = sm90::Family<kN, kM>;
   TileMaps maps{};  // its offset words go by cp.async
   if (!sm90::packed_maps<F, kRows>(&maps, p)) return cudaErrorInvalidValue;
-  constexpr size_t kSmem = RegroupLayout<kN, kM, kRows>::kBytes;
+  constexpr size_t kSmem = RegroupLayout<kN, kM, kRows, kPerSm>::kBytes;
   constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
-  return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
-    return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, early()>, kRows, kSmem, kBlock>(p, stream, splits,
-                                                                                                    early(), maps);
-  });
+  const auto go = [&](auto early) {
+    return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, early(), kPerSm>, kRows, kSmem, kBlock>(
+        p, stream, splits, early(), maps);
+  };
+  if constexpr (kPerSm == 2)  // two_per_sm_split took it only where the whole grid runs at once
+    return use_pdl() ? go(std::true_type{}) : go(std::false_type{});
+  else
+    return sm90::launch_early_or_not<kRows>(p, splits, go);
+}
+
+// Two blocks of 64-row activation tiles per SM, each with half the ring (BENCHMARKS.md, session
+// 39): at 17-64 rows a block of this kernel spends its time waiting on one step after another
+// (Nsight Compute on 17 x 4096 x 4096 2:8: the multiplying warps wait for the regrouped tile, the
+// regrouping warps for the landed one; twice the regrouping threads ran no faster), and a second
+// block on the SM overlaps those waits. Taken where such a grid has at least 5/4 as many blocks as
+// the GPU has SMs, with the fewest K splits that reach that, 8 steps a block and every cluster
+// resident at once. Against the one-block grid, 2:8, 1:8 and 1:4 at 17-64 rows: 1.00-1.11x on
+// 4096 x 4096 (6-way splits, 192 blocks), 1.07-1.19x on 11008 and 14336 x 4096 (6-way), 1.05-1.14x
+// on 4096 x 11008, 12288 and 14336 (2-way, 172-224 blocks), 1.18-1.31x on 4096 x 28672 (224
+// blocks unsplit, which took two waves of one block per SM). Forced splits with fewer blocks, or
+// with blocks of 8 steps, lost: 32 tiles split 4 ways (128 blocks) 0.79-0.99x, 8 ways (256
+// blocks) 0.77-0.95x; the 8 tiles of 4096 x 1024 0.40-1.00x at every split, so those keep one
+// block per SM. 0 where it does not take the call.
+template <typename T, int kN, int kM>
+int two_per_sm_split(const PathParams<T>& p, int64_t steps) {
+  constexpr int kRows = 64;
+  if (p.rows > kRows) return 0;
+  constexpr auto kernel = wgmma_regroup_kernel<T, kN, kM, kRows, true, 2>;
+  constexpr int kSmem = static_cast<int>(RegroupLayout<kN, kM, kRows, 2>::kBytes);
+  constexpr int kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
+  if (allow_dynamic_smem<kernel>(kSmem) != cudaSuccess) return 0;
+  const int64_t tiles = (p.nout + kTileW - 1) / kTileW, least_blocks = multiprocessor_count() * 5 / 4;
+  for (int split = 1; split <= sm90::kMostBlocks && steps / split >= 8; ++split)
+    if (tiles * split >= least_blocks) return tiles <= active_clusters<kernel>(split, kBlock, kSmem) ? split : 0;
+  return 0;
 }
 
 }  // namespace
@@ -589,6 +622,9 @@ template <typename T>
 cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_sp_family, [&](auto kN, auto kM) {
     const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
+    if constexpr (kN() != 2 || kM() != 4)
+      if (const int split = two_per_sm_split<T, kN(), kM()>(p, steps); split > 0)
+        return launch_regrouped<T, kN(), kM(), 64, 2>(p, stream, split);
     const auto launch = [&](auto rows, int splits) {
       if constexpr (kN() == 2 && kM() == 4)
         return launch_two_of_four<T, rows()>(p, stream, splits);
