@@ -575,14 +575,10 @@ cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int sp
   if (!sm90::packed_maps<F, kRows>(&maps, p)) return cudaErrorInvalidValue;
   constexpr size_t kSmem = RegroupLayout<kN, kM, kRows, kPerSm>::kBytes;
   constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
-  const auto go = [&](auto early) {
+  return sm90::launch_early_or_not<kRows, kPerSm>(p, splits, [&](auto early) {
     return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, early(), kPerSm>, kRows, kSmem, kBlock>(
         p, stream, splits, early(), maps);
-  };
-  if constexpr (kPerSm == 2)  // two_per_sm_split took it only where the whole grid runs at once
-    return use_pdl() ? go(std::true_type{}) : go(std::false_type{});
-  else
-    return sm90::launch_early_or_not<kRows>(p, splits, go);
+  });
 }
 
 // Two blocks of 64-row activation tiles per SM, each with half the ring (BENCHMARKS.md, session
@@ -598,9 +594,10 @@ cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int sp
 // with blocks of 8 steps, lost: 32 tiles split 4 ways (128 blocks) 0.79-0.99x, 8 ways (256
 // blocks) 0.77-0.95x; the 8 tiles of 4096 x 1024 0.40-1.00x at every split, so those keep one
 // block per SM. 0 where it does not take the call.
+constexpr int kTwoPerSmRows = 64;  // the activation tile of those grids
 template <typename T, int kN, int kM>
 int two_per_sm_split(const PathParams<T>& p, int64_t steps) {
-  constexpr int kRows = 64;
+  constexpr int kRows = kTwoPerSmRows;
   if (p.rows > kRows) return 0;
   constexpr auto kernel = wgmma_regroup_kernel<T, kN, kM, kRows, true, 2>;
   constexpr int kSmem = static_cast<int>(RegroupLayout<kN, kM, kRows, 2>::kBytes);
@@ -624,7 +621,7 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
     const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
     if constexpr (kN() != 2 || kM() != 4)
       if (const int split = two_per_sm_split<T, kN(), kM()>(p, steps); split > 0)
-        return launch_regrouped<T, kN(), kM(), 64, 2>(p, stream, split);
+        return launch_regrouped<T, kN(), kM(), kTwoPerSmRows, 2>(p, stream, split);
     const auto launch = [&](auto rows, int splits) {
       if constexpr (kN() == 2 && kM() == 4)
         return launch_two_of_four<T, rows()>(p, stream, splits);
