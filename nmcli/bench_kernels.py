@@ -129,6 +129,16 @@ def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, 
     return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype, k, vector, copy) else None
 
 
+def workspace_for(torch, m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, copy: bool = False):
+    """Device memory a call needs beside its tensors (a 2:4 copy the sparse tensor cores stage, from
+    `cuda_workspace_bytes`), or None: one buffer every call may reuse, as ORT's arena hands the
+    same block to consecutive calls."""
+    from . import _kernels
+
+    need = _kernels.cuda_workspace_bytes(m, pattern.n, pattern.m, k, n, dtype, path=path, copy=copy)
+    return torch.empty(need, dtype=torch.uint8, device="cuda") if need else None
+
+
 def _random_packed(k: int, n: int, pattern: NMPattern, vector: int, with_copy: bool, rng):
     """A magnitude-pruned random weight [K, N] packed (and its 2:4 copy, or None)."""
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -173,16 +183,18 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
     cids = [torch.from_numpy(copy.indices.view(np.int32)).cuda() for _ in range(sets)] if copy else []
     xs = [torch.randn(m, k, device="cuda", dtype=tdtype) for _ in range(sets)]
     ys = [torch.empty(m, n, device="cuda", dtype=tdtype) for _ in range(sets)]
+    workspace = workspace_for(torch, m, k, n, pattern, dtype, chosen, with_copy)
 
     def ours():
         stream = torch.cuda.current_stream().cuda_stream
         for i in range(sets):
             copy_ptrs = dict(copy_values=cvs[i].data_ptr(), copy_indices=cids[i].data_ptr()) if copy else {}
             _kernels.nm_matmul_cuda(xs[i].data_ptr(), vs[i].data_ptr(), ids[i].data_ptr(), 0, ys[i].data_ptr(), m,
-                                    pattern.n, pattern.m, k, n, dtype, 1.0, stream, chosen, vector=vector, **copy_ptrs)
+                                    pattern.n, pattern.m, k, n, dtype, 1.0, stream, chosen, vector=vector,
+                                    workspace=workspace.data_ptr() if workspace is not None else 0, **copy_ptrs)
 
     ours_ms = _time_graph(torch, ours, replays) / sets
-    del vs, ids, cvs, cids
+    del vs, ids, cvs, cids, workspace
     dense_sets = _sets_for(l2_bytes, k * n * itemsize)
     ws = [torch.randn(k, n, device="cuda", dtype=tdtype) for _ in range(dense_sets)]
     xd = [xs[i % sets] for i in range(dense_sets)]

@@ -61,9 +61,10 @@ struct CudaKernel {
       m.vector = attrs_.vector;
       m.shape = call.shape;
       void* stream = ctx.GetGPUComputeStream();
-      // A gated or normalised call off the decode path writes A into a workspace first: from
-      // ORT's device arena, stream-ordered like ORT's own temporaries (freed after the launch,
-      // reused by later kernels of the same stream only).
+      // A gated or normalised call off the decode path writes A into a workspace first, and a
+      // large call on the sparse tensor cores a 2:4 copy of its weight: from ORT's device arena,
+      // stream-ordered like ORT's own temporaries (freed after the launch, reused by later kernels
+      // of the same stream only).
       Workspace workspace(ctx, nm_matmul_cuda_workspace_bytes(m));
       m.workspace = workspace.data;
       StreamTimer timer(stream);

@@ -57,13 +57,18 @@ class Point:
         self.y = [torch.empty(m, n, device="cuda", dtype=self.dtype) for _ in range(self.sets)]
 
     def time_us(self, module, path: str) -> float:
-        """Median microseconds per call of `module`'s kernel."""
+        """Median microseconds per call of `module`'s kernel (with the workspace the installed build
+        asks for, which builds that need none ignore)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        workspace = bench_kernels.workspace_for(torch, self.m, self.k, self.n, self.pattern, dtype, path)
+        workspace_ptr = workspace.data_ptr() if workspace is not None else 0
+
         def launch():
             stream = torch.cuda.current_stream().cuda_stream
             for i in range(self.sets):
                 module.nm_matmul_cuda(self.x[i].data_ptr(), self.values[i].data_ptr(), self.indices[i].data_ptr(), 0,
                                       self.y[i].data_ptr(), self.m, self.pattern.n, self.pattern.m, self.k, self.n,
-                                      str(self.dtype).removeprefix("torch."), 1.0, stream, path)
+                                      dtype, 1.0, stream, path, workspace=workspace_ptr)
 
         return bench_kernels._time_graph(torch, launch, 15) / self.sets * 1e3
 

@@ -30,10 +30,12 @@ def main() -> None:
     indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
     x = torch.randn(args.rows, args.k, device="cuda", dtype=dtype)
     y = torch.full((args.rows, args.nout), float("nan"), device="cuda", dtype=dtype)
+    workspace = bench_kernels.workspace_for(torch, args.rows, args.k, args.nout, pattern, args.dtype, args.path)
     stream = torch.cuda.current_stream().cuda_stream
     for _ in range(args.calls):
         _kernels.nm_matmul_cuda(x.data_ptr(), values.data_ptr(), indices.data_ptr(), 0, y.data_ptr(), args.rows,
-                                pattern.n, pattern.m, args.k, args.nout, args.dtype, 1.0, stream, args.path)
+                                pattern.n, pattern.m, args.k, args.nout, args.dtype, 1.0, stream, args.path,
+                                workspace=workspace.data_ptr() if workspace is not None else 0)
     torch.cuda.synchronize()
     chosen = _kernels.cuda_path(args.rows, pattern.n, pattern.m, args.k, args.nout, args.dtype)
     print(f"{args.rows} x {args.k} x {args.nout} {args.nm} {args.dtype}: ran {args.path}, the dispatch chooses {chosen}")

@@ -1,4 +1,5 @@
 """The C++ CPU kernel through nmcli._kernels, against the float64 reference."""
+import functools
 import os
 import subprocess
 import sys
@@ -138,6 +139,37 @@ def test_rejects_bad_shapes(rng):
         _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=8, m=8, k=64)
 
 
+def test_cuda_workspace_holds_a_staged_two_of_four_copy():
+    """The workspace a call needs on the sparse tensor cores (kernels/cuda/dispatch.cu): a 2:4
+    copy of the weight (values, then offset words from a 256-byte boundary) for 1:4, 2:8 and 1:8
+    from STAGED_COPY_FROM_ROWS rows and for the other patterns that fit 2:4 at any row count, none
+    for 2:4 itself, for fp32 or for a call that carries a copy; after a gated call's activation."""
+    if not getattr(_kernels, "HAS_CUDA", False):
+        pytest.skip("built without CUDA")
+    from nmcli.format import NMPattern, PackedShape
+
+    def copy_bytes(k, nout):
+        shape = PackedShape(k, nout, NMPattern(2, 4))
+        return -(-shape.nout * shape.row_len * 2 // 256) * 256 + shape.nout * shape.index_words * 4
+
+    rows = _kernels.STAGED_COPY_FROM_ROWS
+    assert rows == 1024
+    space = functools.partial(_kernels.cuda_workspace_bytes, path="wgmma_sp")
+    for n, m in ((1, 4), (2, 8), (1, 8)):
+        assert space(rows, n, m, 4096, 4096, "float16") == copy_bytes(4096, 4096) == 4096 * (2048 * 2 + 128 * 4)
+        assert space(rows - 1, n, m, 4096, 4096, "float16") == 0
+        assert space(rows, n, m, 4096, 4096, "float16", copy=True) == 0
+        assert space(rows, n, m, 4096, 4096, "float32") == 0
+    assert space(4096, 2, 4, 4096, 4096, "bfloat16") == 0
+    assert space(4096, 4, 16, 4096, 4096, "bfloat16") == 0  # does not fit 2:4
+    assert space(17, 2, 16, 4104, 1000, "bfloat16") == copy_bytes(4104, 1000)
+    assert space(9, 1, 3, 100, 33, "float16") == copy_bytes(100, 33)
+    gated = 2000 * 100 * 2  # the activation A, then the copy from the next 256-byte boundary
+    assert space(2000, 2, 8, 100, 300, "float16", "silu") == -(-gated // 256) * 256 + copy_bytes(100, 300)
+    assert space(2000, 2, 8, 100, 300, "float16", norm=True) == -(-gated // 256) * 256 + copy_bytes(100, 300)
+    assert _kernels.cuda_workspace_bytes(2000, 2, 8, 100, 300, "float16", "silu", "mma") == gated
+
+
 def test_library_reports_cuda_when_built_with_nvcc():
     """CI has nvcc: the CUDA kernels and the CUDA op must have been compiled in."""
     import os
@@ -265,6 +297,20 @@ def test_library_reports_cuda_when_built_with_nvcc():
     for n, m in ((1, 4), (2, 8), (1, 8)):
         assert _kernels.cuda_path_supported("wgmma_sp", 4096, n, m, "float16", 4096) == sm90
         assert _kernels.cuda_path(1024, n, m, 4096, 11008, "float16") == ("wgmma_sp" if sm90 else "mma")
+    # Every other pattern that fits 2:4 reaches them through a 2:4 copy staged in the workspace:
+    # from 17 rows against the mma path where the copy goes a word per thread (1:16) and against
+    # the tiled path (1:3, 2:32), from 1024 rows against the expanding kernel (2:16).
+    for n, m in ((2, 16), (1, 16), (1, 3), (2, 32), (1, 2), (2, 12)):
+        assert _kernels.cuda_path_supported("wgmma_sp", 17, n, m, "bfloat16", 4096) == sm90
+    assert _kernels.cuda_path(17, 1, 16, 4096, 4096, "float16") == sp
+    assert _kernels.cuda_path(16, 1, 16, 4096, 4096, "float16") in ("decode", "mma")
+    assert _kernels.cuda_path(17, 1, 3, 4096, 4096, "float16") == ("wgmma_sp" if sm90 else "tiled")
+    assert _kernels.cuda_path(64, 2, 32, 4096, 4096, "bfloat16") == ("wgmma_sp" if sm90 else "tiled")
+    assert _kernels.cuda_path(17, 1, 2, 4096, 4096, "float16") == "mma"  # its copy goes a block per thread
+    assert _kernels.cuda_path(1024, 1, 2, 4096, 4096, "float16") == sp
+    assert _kernels.cuda_path(1023, 2, 16, 4096, 4096, "float16") == ("wgmma" if sm90 else "mma")
+    assert _kernels.cuda_path(1024, 2, 16, 4096, 4096, "float16") == sp
+    assert _kernels.cuda_path(1024, 1, 16, 4096, 4096, "float32") == ("wgmma" if sm90 else "tiled")
     assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 4, 16, "float16", 4096)
     assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 4, 8, "bfloat16", 4096)
     assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 2, 4, "float32", 4096)

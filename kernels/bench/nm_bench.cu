@@ -240,8 +240,13 @@ Row bench_one(cublasHandle_t handle, cudaStream_t stream, const cudaDeviceProp& 
     CHECK_CUDA(cudaMemcpy(is[i]->ptr, w.indices.data(), i_bytes, cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(xs[i]->ptr, x_host.data(), x_bytes, cudaMemcpyHostToDevice));
   }
+  // One workspace for every set (a staged 2:4 copy, kernels/cuda/dispatch.cu), as ORT's arena
+  // hands the same block to consecutive calls.
+  const size_t workspace_bytes = nmcli::nm_matmul_cuda_workspace_bytes(call, path);
+  DeviceBuffer workspace(workspace_bytes);
   auto ours = [&](int i) {
     CudaMatMul c = call;
+    c.workspace = workspace_bytes ? workspace.ptr : nullptr;
     c.x = xs[i]->ptr;
     c.values = vs[i]->ptr;
     c.indices = static_cast<const uint32_t*>(is[i]->ptr);

@@ -61,6 +61,7 @@ CudaPath parse_path(const std::string& name) {
 
 void register_cuda_bindings(py::module_& mod) {
   mod.attr("HAS_CUDA") = true;
+  mod.attr("STAGED_COPY_FROM_ROWS") = kStagedCopyFromRows;
   mod.def(
       "nm_matmul_cuda",
       [](uintptr_t x, uintptr_t values, uintptr_t indices, uintptr_t bias, const py::object& y, int64_t rows, int n, int m,
@@ -114,7 +115,7 @@ void register_cuda_bindings(py::module_& mod) {
   mod.def(
       "cuda_workspace_bytes",
       [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype, const std::string& glu,
-         const std::string& path, bool norm) {
+         const std::string& path, bool norm, bool copy) {
         CudaMatMul call;
         call.dtype = parse_dtype(dtype);
         call.rows = rows;
@@ -122,10 +123,28 @@ void register_cuda_bindings(py::module_& mod) {
         static const char kAnyWeight = 0;  // only whether there is a norm weight matters here
         call.norm_weight = norm ? &kAnyWeight : nullptr;
         call.shape = NMShape::make(k, nout, n, m);
+        if (copy) call.copy_values = call.copy_indices = kAnyCopy;
         return nm_matmul_cuda_workspace_bytes(call, parse_path(path));
       },
-      py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("glu"),
-      py::arg("path") = "auto", py::arg("norm") = false, "Workspace bytes nm_matmul_cuda needs for this call (0 for most calls).");
+      py::arg("rows"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"), py::arg("dtype"), py::arg("glu") = "none",
+      py::arg("path") = "auto", py::arg("norm") = false, py::arg("copy") = false,
+      "Workspace bytes nm_matmul_cuda needs for this call (copy: it carries a 2:4 copy of the weight): the activation "
+      "of a gated or normalised call off the decode paths, a 2:4 copy the sparse tensor cores stage; 0 for most calls.");
+  mod.def(
+      "cuda_two_of_four_copy",
+      [](uintptr_t values, uintptr_t indices, int n, int m, int64_t k, int64_t nout, uintptr_t copy_values,
+         uintptr_t copy_indices, uintptr_t stream) {
+        if (!valid_pattern(n, m) || !fits_two_of_four(n, m)) throw std::invalid_argument("this n:m takes no 2:4 copy");
+        const TwoOfFourCopy copy{reinterpret_cast<void*>(copy_values), reinterpret_cast<uint32_t*>(copy_indices)};
+        if (const int err = two_of_four_copy_cuda(reinterpret_cast<const void*>(values),
+                                                  reinterpret_cast<const uint32_t*>(indices), NMShape::make(k, nout, n, m),
+                                                  copy, reinterpret_cast<void*>(stream)))
+          throw std::runtime_error("cuda_two_of_four_copy failed with CUDA error " + std::to_string(err));
+      },
+      py::arg("values"), py::arg("indices"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"),
+      py::arg("copy_values"), py::arg("copy_indices"), py::arg("stream") = 0,
+      "Writes the 2:4 copy (docs/FORMAT.md) of a 16-bit packed weight into copy_values [nout, S4] and copy_indices "
+      "[nout, S4/16], as nmcli.format.two_of_four_copy does on the host; asynchronous on `stream`.");
   mod.def(
       "cuda_copy",
       [](uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t stream) {

@@ -73,6 +73,16 @@
 //    1 mostly on 4096x14336) and 1.37-1.70x from 48, so those take the copy from 9 rows. Session
 //    34 (scratch/copy34.py, 9-16 rows on 4096 and 8192 x 1024, 2:8, 1:8, 1:4): the copy on the
 //    sparse tensor cores ran 1.77-3.00x the faster of decode and mma on the weight.
+//  * From kStagedCopyFromRows (1024) rows, fp16/bf16 1:4, 2:8 and 1:8 weights that carry no 2:4
+//    copy have the sparse tensor cores read one staged in the call's workspace: one kernel writes
+//    it (two_of_four_copy.cu, at 79-99% of the copy bandwidth on the LLaMA projections), the 2:4
+//    kernel reads it, where the regrouping kernel rebuilt the same 2:4 tiles in every block that
+//    read them (a weight tile once per activation tile). Session 40 (H100, ab_kernels --path
+//    wgmma_sp against HEAD with the staging forced from 256 rows, 2:8, 1:8 and 1:4 on 4096 x 4096,
+//    11008 x 4096, 4096 x 14336 and 14336 x 4096): 0.72-0.95x at 512 rows, 0.96-1.15x at 1024
+//    (below 1 only on 11008 x 4096), 1.00-1.26x at 2048 and 1.04-1.28x at 4096. Other patterns that
+//    fit 2:4 (2:16, 1:16, 1:3, 2:32, ...) reach the sparse tensor cores only that way: see
+//    staging_pays for where.
 //  * fp32, element-wise: the 3xTF32 warpgroup kernel (wgmma_tf32.cu) from 9 rows, for the families
 //    it compiles; else decode up to 16 rows and the tiled SIMT path above. Session 27
 //    (scratch/tf32.py: decode, tiled and wgmma timed in one process at 9-4096 rows on 4096x4096,
@@ -142,14 +152,16 @@ PathParams<T> typed(const CudaMatMul& c) {
   return p;
 }
 
+// `staged`: the weight `c` reads is the 2:4 copy the call just wrote into its workspace.
 template <typename T>
-cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path) {
+cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path, bool staged) {
   if (path == CudaPath::decode) {
     DecodeParamsT<T> p;
     static_cast<PathParams<T>&>(p) = typed<T>(c);
     return run_decode<T>(p, stream);  // gates or normalises while it stages X
   }
   PathParams<T> p = typed<T>(c);
+  p.weight_from_stream = staged;
   if (path == CudaPath::decode_mma) return run_decode_mma<T>(p, stream);  // so does this one
   if (forms_activation(c)) {  // the other paths copy X as it is: write A out first
     T* a = static_cast<T*>(c.workspace);
@@ -178,12 +190,50 @@ size_t dtype_bytes(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
 
 bool has_copy(const CudaMatMul& c) { return c.copy_values != nullptr && c.copy_indices != nullptr; }
 
-// The call as the sparse tensor cores read it: its 2:4 copy in place of the weight, where it has one.
+// Whether the sparse tensor cores' kernels regroup this pattern into 2:4 themselves (1:4, 2:8, 1:8).
+bool regrouped_in_kernel(int n, int m) {
+#if defined(NMCLI_WITH_SM90A)
+  return wgmma_sp_family(n, m) && !(n == 2 && m == 4);
+#else
+  (void)n;
+  (void)m;
+  return false;
+#endif
+}
+
+// Whether a call on the sparse tensor cores first writes its weight's 2:4 copy into its workspace
+// and reads that (the weight regrouped once per call, not once per block that reads it): fp16/bf16
+// weights whose pattern fits 2:4 and that carry no copy, from kStagedCopyFromRows rows for the
+// patterns the kernels also regroup themselves (the rule above), at any row count for the others
+// (the only way they reach the sparse tensor cores).
+bool stages_copy(const CudaMatMul& c) {
+  if (has_copy(c) || c.dtype == DType::f32 || !fits_two_of_four(c.shape.n, c.shape.m)) return false;
+  return c.rows >= kStagedCopyFromRows || !regrouped_in_kernel(c.shape.n, c.shape.m);
+}
+
+// Workspace bytes of a call's activation A (gated or normalised calls off the decode paths), and
+// where a staged 2:4 copy starts after it.
+size_t activation_bytes(const CudaMatMul& c, CudaPath path) {
+  if (!forms_activation(c) || path == CudaPath::decode || path == CudaPath::decode_mma) return 0;  // they stage A themselves
+  return static_cast<size_t>(c.rows * c.shape.k) * dtype_bytes(c.dtype);
+}
+size_t staged_copy_offset(const CudaMatMul& c) { return (activation_bytes(c, CudaPath::wgmma_sp) + 255) / 256 * 256; }
+
+// The call as the sparse tensor cores read it: its 2:4 copy in place of the weight, where it
+// carries one or stages one in its workspace.
 CudaMatMul sparse_tensor_core_view(const CudaMatMul& c) {
-  if (!has_copy(c)) return c;
+  const bool staged = stages_copy(c);
+  if (!has_copy(c) && !staged) return c;
   CudaMatMul view = c;
-  view.values = c.copy_values;
-  view.indices = c.copy_indices;
+  if (staged) {  // (no workspace yet where only the path is being chosen)
+    const TwoOfFourCopy copy = c.workspace ? two_of_four_copy_parts(static_cast<uint8_t*>(c.workspace) + staged_copy_offset(c), c.shape)
+                                           : TwoOfFourCopy{};
+    view.values = copy.values;
+    view.indices = copy.indices;
+  } else {
+    view.values = c.copy_values;
+    view.indices = c.copy_indices;
+  }
   view.shape = NMShape::make(c.shape.k, c.shape.nout, 2, 4);
   view.vector = 0;
   return view;
@@ -288,6 +338,21 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
   return false;
 }
 
+namespace {
+// Where the sparse tensor cores on a staged 2:4 copy beat the path the call would take otherwise
+// (session 40, H100, forced paths on 4096 x 4096): from kStagedCopyFromRows rows against the
+// kernels that regroup or expand the weight on the tensor cores themselves (2:16 on wgmma:
+// 0.57-0.81x at 17-512 rows, 1.01x at 1024, 1.11x at 4096), from 17 rows against the mma path where
+// the copy goes a word per thread (1:16: 1.42x at 17 rows, 1.60x at 64, 3.75-7.2x from 256) and
+// against the tiled SIMT path (2:32 12.8x, 1:3 7.1x at 17 rows). At 1..16 rows the decode kernels
+// keep what they take.
+bool staging_pays(const CudaMatMul& call) {
+  if (call.rows >= kStagedCopyFromRows) return true;
+  if (call.rows <= kDecodeMaxRows || path_supported(call, CudaPath::wgmma)) return false;
+  return !path_supported(call, CudaPath::mma) || two_of_four_copy_by_words(call.shape.n, call.shape.m);
+}
+}  // namespace
+
 CudaPath choose_path(const CudaMatMul& call) {
   // The decode-sized tensor-core kernel for 2:4, 1:4, 2:8 and 1:8 on outputs up to 1024 wide from
   // 1 row (groups of 4) or 2 (groups of 8), else from 3 for groups of 4 and, for groups of 8, from
@@ -333,7 +398,8 @@ CudaPath choose_path(const CudaMatMul& call) {
   if (decode_mma_takes) return CudaPath::decode_mma;
   // fp32 element-wise: the 3xTF32 warpgroup kernel from 9 rows.
   if (call.dtype == DType::f32 && path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
-  if (sparse_grid && path_supported(call, CudaPath::wgmma_sp)) return CudaPath::wgmma_sp;
+  if (sparse_grid && (!stages_copy(call) || staging_pays(call)) && path_supported(call, CudaPath::wgmma_sp))
+    return CudaPath::wgmma_sp;
   const bool wgmma_grid =
       (call.rows > kDecodeMaxRows && enough_tiles) || (call.rows >= kWgmmaCrossover && wgmma_blocks >= kWgmmaMinBlocks);
   if (wgmma_grid && path_supported(call, CudaPath::wgmma)) return CudaPath::wgmma;
@@ -371,10 +437,10 @@ bool path_from_name(const char* name, CudaPath* path) {
 }
 
 size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path) {
-  if (!forms_activation(call) || call.rows == 0 || call.shape.nout == 0) return 0;
+  if (call.rows == 0 || call.shape.nout == 0) return 0;
   if (path == CudaPath::automatic) path = choose_path(call);
-  if (path == CudaPath::decode || path == CudaPath::decode_mma) return 0;  // they stage A themselves
-  return static_cast<size_t>(call.rows * call.shape.k) * dtype_bytes(call.dtype);
+  if (path == CudaPath::wgmma_sp && stages_copy(call)) return staged_copy_offset(call) + two_of_four_copy_bytes(call.shape);
+  return activation_bytes(call, path);
 }
 
 int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
@@ -387,10 +453,15 @@ int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
     return cudaErrorInvalidValue;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   const CudaMatMul used = path == CudaPath::wgmma_sp ? sparse_tensor_core_view(call) : call;
+  const bool staged = path == CudaPath::wgmma_sp && stages_copy(call);
+  if (staged) {
+    const TwoOfFourCopy copy{const_cast<void*>(used.values), const_cast<uint32_t*>(used.indices)};
+    if (const int e = two_of_four_copy_cuda(call.values, call.indices, call.shape, copy, stream_ptr); e != 0) return e;
+  }
   switch (call.dtype) {
-    case DType::f32: return run<float>(used, stream, path);
-    case DType::f16: return run<__half>(used, stream, path);
-    case DType::bf16: return run<__nv_bfloat16>(used, stream, path);
+    case DType::f32: return run<float>(used, stream, path, staged);
+    case DType::f16: return run<__half>(used, stream, path, staged);
+    case DType::bf16: return run<__nv_bfloat16>(used, stream, path, staged);
   }
   return cudaErrorInvalidValue;
 }

@@ -22,6 +22,9 @@ struct PathParams {
   int64_t rows, k, nout, groups, row_len, index_words;
   int n, m, bits;
   float alpha;
+  // The weight was written by the kernel before this one on the stream (a 2:4 copy the dispatch
+  // staged): no programmatic-dependent start, whose blocks read their first weights before waiting.
+  bool weight_from_stream = false;
 };
 
 template <typename T>

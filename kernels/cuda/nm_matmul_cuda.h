@@ -2,7 +2,8 @@
 // and A = X or silu(X) * X_up (kernels/fusion.h). Type-erased so the ORT op and the pybind
 // module share one dispatch; all pointers are device pointers, the call is asynchronous on
 // `stream` and allocates nothing (a gated call on a path other than decode gates X into the
-// caller's `workspace` first: nm_matmul_cuda_workspace_bytes).
+// caller's `workspace` first, and large calls on the sparse tensor cores write a 2:4 copy of the
+// weight there: nm_matmul_cuda_workspace_bytes).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +42,10 @@ struct CudaMatMul {
   const uint32_t* copy_indices = nullptr;   // [Nout, S4/16]
 };
 
+// From this many rows the sparse tensor cores read 1:4, 2:8 and 1:8 weights that carry no 2:4
+// copy as one staged in the call's workspace (kernels/cuda/dispatch.cu, stages_copy).
+constexpr int64_t kStagedCopyFromRows = 1024;
+
 // Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).
 CudaPath choose_path(const CudaMatMul& call);
 // Whether `path` can run this call (decode: rows <= 16; decode_mma: fp16/bf16, 1:4, 2:4, 1:8 or 2:8,
@@ -54,12 +59,30 @@ const char* path_name(CudaPath path);
 // The path `path_name` spells as `name`; false when there is none.
 bool path_from_name(const char* name, CudaPath* path);
 
-// Device memory the call needs in `workspace` on `path` (0 for most calls: only gated or
-// normalised calls on paths other than decode write A there first).
+// Device memory the call needs in `workspace` on `path` (0 for most calls: gated or normalised
+// calls on paths other than decode write A there first, and calls that stage a 2:4 copy of their
+// weight for the sparse tensor cores write it there, after A).
 size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path = CudaPath::automatic);
 
 // Returns a cudaError_t as int (0 = success) so callers need no CUDA headers.
 int nm_matmul_cuda(const CudaMatMul& call, void* stream, CudaPath path = CudaPath::automatic);
+
+// A 2:4 copy of a packed weight (docs/FORMAT.md "A 2:4 copy") in device memory: values [Nout, S4]
+// (16-bit), offset words [Nout, S4 / 16].
+struct TwoOfFourCopy {
+  void* values = nullptr;
+  uint32_t* indices = nullptr;
+};
+// Bytes of one such copy laid out in a single buffer (two_of_four_copy_parts), and its parts there.
+size_t two_of_four_copy_bytes(const NMShape& shape);
+TwoOfFourCopy two_of_four_copy_parts(void* buffer, const NMShape& shape);
+// Whether the copy of an n:m weight is written a word (32 positions) per thread, at about the copy
+// bandwidth (M in {4, 8, 16, 32}); other patterns that fit 2:4 go a block of 4 positions per thread.
+bool two_of_four_copy_by_words(int n, int m);
+// Writes the 2:4 copy of a 16-bit weight whose pattern fits 2:4 (fits_two_of_four) on `stream`: the
+// bytes nmcli.format.two_of_four_copy writes (kernels/cuda/two_of_four_copy.cu). cudaError_t as int.
+int two_of_four_copy_cuda(const void* values, const uint32_t* indices, const NMShape& shape, TwoOfFourCopy copy,
+                          void* stream);
 
 // Copies `bytes` (a multiple of 16, both pointers 16-byte aligned) on `stream` with nmcli's
 // 16-byte-vector copy kernel: the benchmarks' copy-bandwidth ceiling (kernels/cuda/copy.cu).

@@ -313,11 +313,11 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
 // blocks per SM are launched only where they fit, wgmma_sp.cu's two_per_sm_split): 1.03-1.17x at
 // 17-64 rows (BENCHMARKS.md, session 19). Grids of several waves keep the launch and the code they
 // had: a first version that changed their producer's code ran 0.78-0.97x at 4096 rows, and PDL
-// alone was not measured there.
+// alone was not measured there. Never early where the previous kernel wrote the weight.
 template <int kRows, int kPerSm = 1, typename T, typename Launch>
 cudaError_t launch_early_or_not(const PathParams<T>& p, int splits, Launch&& launch) {
-  const bool early = use_pdl() && (kPerSm == 2 || (p.nout + kTileW - 1) / kTileW * ((p.rows + kRows - 1) / kRows) <=
-                                                      whole_sm_clusters(splits));
+  const int64_t blocks = (p.nout + kTileW - 1) / kTileW * ((p.rows + kRows - 1) / kRows);
+  const bool early = use_pdl() && !p.weight_from_stream && (kPerSm == 2 || blocks <= whole_sm_clusters(splits));
   return early ? launch(std::true_type{}) : launch(std::false_type{});
 }
 

@@ -1,0 +1,193 @@
+// The 2:4 copy of a packed weight (docs/FORMAT.md "A 2:4 copy"), written on the device: the bytes
+// nmcli.format.two_of_four_copy writes on the host. The dispatch stages it in a call's workspace
+// where the sparse tensor cores read a large call faster as 2:4 than regrouped in every block
+// (dispatch.cu, stages_copy).
+#include "kernels.cuh"
+#include "nm_matmul_cuda.h"
+
+namespace nmcli {
+namespace {
+
+constexpr int kCopyThreads = 128;
+constexpr size_t kCopyPartAlign = 256;  // the copy's offset words start this far into the buffer, at least
+
+// Grids of these kernels: x along a weight row's words (or blocks) of the copy, y along the rows
+// (a row per y index, striding by gridDim.y past 65535 rows).
+dim3 copy_grid(int64_t per_row, int64_t rows) {
+  return dim3(static_cast<unsigned>((per_row + kCopyThreads - 1) / kCopyThreads),
+              static_cast<unsigned>(rows < 65535 ? rows : 65535));
+}
+
+// A block of 4 positions as the copy stores it, from the entries the weight holds there (found:
+// 0, 1 or 2 of them, in position order, at offsets at0 < at1 with values value0, value1): filled
+// up to two with the lowest free positions (value 0). Sets the two values (the first in the low
+// half) and their 2-bit offsets (the first in the low bits).
+__device__ __forceinline__ void copy_block(int found, uint32_t at0, uint32_t value0, uint32_t at1, uint32_t value1,
+                                           uint32_t& pair, uint32_t& fields) {
+  if (found == 1) {  // add the lowest free position, keeping the two in order
+    const uint32_t free_at = at0 == 0 ? 1 : 0;
+    if (free_at < at0) {
+      at1 = at0, value1 = value0;
+      at0 = free_at, value0 = 0;
+    } else {
+      at1 = free_at, value1 = 0;
+    }
+  } else if (found == 0) {
+    at0 = 0, at1 = 1, value0 = value1 = 0;
+  }
+  pair = value0 | value1 << 16;
+  fields = at0 | at1 << 2;
+}
+
+// kE consecutive 16-bit values starting at a multiple of kE entries (16-byte aligned rows), as words.
+template <int kE>
+__device__ __forceinline__ void load_entries(const uint16_t* at, uint32_t (&words)[(kE + 1) / 2]) {
+  if constexpr (kE == 8) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(at));
+    words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
+  } else if constexpr (kE == 4) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(at));
+    words[0] = v.x, words[1] = v.y;
+  } else if constexpr (kE == 2) {
+    words[0] = __ldg(reinterpret_cast<const uint32_t*>(at));
+  } else {
+    words[0] = __ldg(at);
+  }
+}
+
+// Patterns whose groups tile a word of the copy (M in {4, 8, 16, 32}: 32 / M whole groups, kE
+// entries): one thread per word, which loads its entries and their offsets in one or two reads
+// each and writes 16 values and one offset word. The rows hold enough entries: a row of the copy
+// has 2 * ceil(K / 64) words, whose entries 64 * N / M * ceil(K / 64) never pass the stored row
+// length round_up(ceil(K / M) * N, 32).
+template <int kN, int kM>
+__global__ void __launch_bounds__(kCopyThreads)
+    two_of_four_copy_words(const uint16_t* values, const uint32_t* indices, NMShape shape, int words_per_row,
+                           uint32_t* copy_values, uint32_t* copy_indices) {
+  constexpr int kGroups = 32 / kM, kE = kGroups * kN, kBits = index_bits(kM);
+  const int w = blockIdx.x * kCopyThreads + threadIdx.x;
+  if (w >= words_per_row) return;
+  const int64_t first = 32 * static_cast<int64_t>(w);  // the word's first position
+  for (int64_t col = blockIdx.y; col < shape.nout; col += gridDim.y) {
+    uint32_t entries[(kE + 1) / 2];
+    load_entries<kE>(values + col * shape.row_len + static_cast<int64_t>(w) * kE, entries);
+    const uint32_t offsets = read_bits(indices + col * shape.index_words, first / kM * kN * kBits, kE * kBits);
+    uint32_t pairs[8], word = 0;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      constexpr int kBlocksPerGroup = kM / 4;
+      const int group = b / kBlocksPerGroup, quarter = b % kBlocksPerGroup;  // the group's block holding b
+      int found = 0;
+      uint32_t at0 = 0, at1 = 0, value0 = 0, value1 = 0;
+#pragma unroll
+      for (int s = 0; s < kN; ++s) {
+        const int e = group * kN + s;
+        const uint32_t offset = offsets >> (e * kBits) & ((1u << kBits) - 1u);
+        const bool here = static_cast<int>(offset >> 2) == quarter && first + group * kM + offset < shape.k;
+        const uint32_t value = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
+        if (here && found == 0) at0 = offset & 3, value0 = value;
+        if (here && found == 1) at1 = offset & 3, value1 = value;
+        found += here;
+      }
+      uint32_t fields = 0;
+      pairs[b] = 0;
+      if (first + 4 * b < shape.k) copy_block(found, at0, value0, at1, value1, pairs[b], fields);  // else row padding
+      word |= fields << (4 * b);
+    }
+    uint4* out = reinterpret_cast<uint4*>(copy_values + col * (8 * static_cast<int64_t>(words_per_row)) + 8 * w);
+    out[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+    out[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+    copy_indices[col * words_per_row + w] = word;
+  }
+}
+
+// Every other pattern that fits 2:4 (N = 1 with M not a power of two from 4, or N = 2 with M a
+// multiple of 4 that is not: 1:2, 1:3, 2:12, ...): one thread per block of 4 positions, which
+// reads the entries of the one or two groups that meet it. Each 8 consecutive threads (8 blocks,
+// 32 positions) hold one offset word; they OR their fields together and the first writes it.
+__global__ void __launch_bounds__(kCopyThreads)
+    two_of_four_copy_blocks(const uint16_t* values, const uint32_t* indices, NMShape shape, int blocks_per_row,
+                            uint32_t* copy_values, uint32_t* copy_indices) {
+  const int block = blockIdx.x * kCopyThreads + threadIdx.x;  // rows hold whole words: 8 | blocks_per_row
+  const bool live = block < blocks_per_row;
+  const int m = shape.m;
+  const int64_t first = 4 * static_cast<int64_t>(block);
+  for (int64_t col = blockIdx.y; col < shape.nout; col += gridDim.y) {
+    uint32_t pair = 0, fields = 0;
+    if (live && first < shape.k) {
+      const uint16_t* row = values + col * shape.row_len;
+      const uint32_t* row_words = indices + col * shape.index_words;
+      const int64_t last = first + 3 < shape.k ? first + 3 : shape.k - 1;  // positions past K hold no entry
+      int found = 0;
+      uint32_t at0 = 0, at1 = 0, value0 = 0, value1 = 0;  // registers, not an array indexed by `found`
+      for (int64_t g = first / m; g <= last / m; ++g) {  // at most 2 groups meet a block
+        for (int s = 0; s < shape.n; ++s) {
+          const int64_t j = g * shape.n + s;
+          const int64_t k = g * m + read_offset(row_words, j, shape.bits);
+          if (k < first || k > last || found == 2) continue;  // offsets increase: entries come in position order
+          const uint32_t at = static_cast<uint32_t>(k - first), value = __ldg(row + j);
+          if (found++ == 0)
+            at0 = at, value0 = value;
+          else
+            at1 = at, value1 = value;
+        }
+      }
+      copy_block(found, at0, value0, at1, value1, pair, fields);
+    }
+    uint32_t word = fields << (4 * (threadIdx.x & 7));
+    for (int o = 1; o < 8; o <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, o);
+    if (live) {
+      copy_values[col * blocks_per_row + block] = pair;
+      if ((block & 7) == 0) copy_indices[col * (blocks_per_row / 8) + block / 8] = word;
+    }
+  }
+}
+
+}  // namespace
+
+size_t two_of_four_copy_bytes(const NMShape& shape) {
+  const NMShape copy = NMShape::make(shape.k, shape.nout, 2, 4);
+  const size_t values = static_cast<size_t>(copy.nout * copy.row_len) * 2;
+  return (values + kCopyPartAlign - 1) / kCopyPartAlign * kCopyPartAlign + static_cast<size_t>(copy.nout * copy.index_words) * 4;
+}
+
+TwoOfFourCopy two_of_four_copy_parts(void* buffer, const NMShape& shape) {
+  const NMShape copy = NMShape::make(shape.k, shape.nout, 2, 4);
+  const size_t values = static_cast<size_t>(copy.nout * copy.row_len) * 2;
+  auto* base = static_cast<uint8_t*>(buffer);
+  return {base, reinterpret_cast<uint32_t*>(base + (values + kCopyPartAlign - 1) / kCopyPartAlign * kCopyPartAlign)};
+}
+
+bool two_of_four_copy_by_words(int n, int m) { return fits_two_of_four(n, m) && m % 4 == 0 && 32 % m == 0; }
+
+int two_of_four_copy_cuda(const void* values, const uint32_t* indices, const NMShape& shape, TwoOfFourCopy copy,
+                          void* stream) {
+  if (!fits_two_of_four(shape.n, shape.m) || reinterpret_cast<uintptr_t>(values) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(copy.values) % 16 != 0 || reinterpret_cast<uintptr_t>(copy.indices) % 4 != 0)
+    return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t words = NMShape::make(shape.k, shape.nout, 2, 4).index_words;  // per row of the copy
+  if (shape.nout == 0) return static_cast<int>(cudaSuccess);
+  if (8 * words > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
+  const auto cast = static_cast<cudaStream_t>(stream);
+  const auto* v = static_cast<const uint16_t*>(values);
+  auto* out = static_cast<uint32_t*>(copy.values);
+  const auto by_words = [&](auto kernel) {
+    kernel<<<copy_grid(words, shape.nout), kCopyThreads, 0, cast>>>(v, indices, shape, static_cast<int>(words), out,
+                                                                     copy.indices);
+  };
+  switch (shape.n * 64 + shape.m) {
+    case 1 * 64 + 4: by_words(two_of_four_copy_words<1, 4>); break;
+    case 1 * 64 + 8: by_words(two_of_four_copy_words<1, 8>); break;
+    case 2 * 64 + 8: by_words(two_of_four_copy_words<2, 8>); break;
+    case 1 * 64 + 16: by_words(two_of_four_copy_words<1, 16>); break;
+    case 2 * 64 + 16: by_words(two_of_four_copy_words<2, 16>); break;
+    case 1 * 64 + 32: by_words(two_of_four_copy_words<1, 32>); break;
+    case 2 * 64 + 32: by_words(two_of_four_copy_words<2, 32>); break;
+    default:
+      two_of_four_copy_blocks<<<copy_grid(8 * words, shape.nout), kCopyThreads, 0, cast>>>(
+          v, indices, shape, static_cast<int>(8 * words), out, copy.indices);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace nmcli
