@@ -310,7 +310,7 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(1024, 1, 2, 4096, 4096, "float16") == sp
     assert _kernels.cuda_path(1023, 2, 16, 4096, 4096, "float16") == ("wgmma" if sm90 else "mma")
     assert _kernels.cuda_path(1024, 2, 16, 4096, 4096, "float16") == sp
-    assert _kernels.cuda_path(1024, 1, 16, 4096, 4096, "float32") == ("wgmma" if sm90 else "tiled")
+    assert _kernels.cuda_path(1024, 2, 16, 4096, 4096, "float32") == ("wgmma" if sm90 else "tiled")  # no fp32 copy
     assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 4, 16, "float16", 4096)
     assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 4, 8, "bfloat16", 4096)
     assert not _kernels.cuda_path_supported("wgmma_sp", 4096, 2, 4, "float32", 4096)
