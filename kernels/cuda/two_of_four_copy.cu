@@ -145,17 +145,22 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 }  // namespace
 
+namespace {
+// Bytes from the start of a copy's buffer to its offset words: the values, rounded up to kCopyPartAlign.
+size_t copy_values_span(const NMShape& copy) {
+  const size_t values = static_cast<size_t>(copy.nout * copy.row_len) * 2;
+  return (values + kCopyPartAlign - 1) / kCopyPartAlign * kCopyPartAlign;
+}
+}  // namespace
+
 size_t two_of_four_copy_bytes(const NMShape& shape) {
   const NMShape copy = NMShape::make(shape.k, shape.nout, 2, 4);
-  const size_t values = static_cast<size_t>(copy.nout * copy.row_len) * 2;
-  return (values + kCopyPartAlign - 1) / kCopyPartAlign * kCopyPartAlign + static_cast<size_t>(copy.nout * copy.index_words) * 4;
+  return copy_values_span(copy) + static_cast<size_t>(copy.nout * copy.index_words) * 4;
 }
 
 TwoOfFourCopy two_of_four_copy_parts(void* buffer, const NMShape& shape) {
-  const NMShape copy = NMShape::make(shape.k, shape.nout, 2, 4);
-  const size_t values = static_cast<size_t>(copy.nout * copy.row_len) * 2;
   auto* base = static_cast<uint8_t*>(buffer);
-  return {base, reinterpret_cast<uint32_t*>(base + (values + kCopyPartAlign - 1) / kCopyPartAlign * kCopyPartAlign)};
+  return {base, reinterpret_cast<uint32_t*>(base + copy_values_span(NMShape::make(shape.k, shape.nout, 2, 4)))};
 }
 
 bool two_of_four_copy_by_words(int n, int m) { return fits_two_of_four(n, m) && m % 4 == 0 && 32 % m == 0; }
