@@ -143,14 +143,12 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
-}  // namespace
-
-namespace {
 // Bytes from the start of a copy's buffer to its offset words: the values, rounded up to kCopyPartAlign.
 size_t copy_values_span(const NMShape& copy) {
   const size_t values = static_cast<size_t>(copy.nout * copy.row_len) * 2;
   return (values + kCopyPartAlign - 1) / kCopyPartAlign * kCopyPartAlign;
 }
+
 }  // namespace
 
 size_t two_of_four_copy_bytes(const NMShape& shape) {
@@ -180,7 +178,7 @@ int two_of_four_copy_cuda(const void* values, const uint32_t* indices, const NMS
     kernel<<<copy_grid(words, shape.nout), kCopyThreads, 0, cast>>>(v, indices, shape, static_cast<int>(words), out,
                                                                      copy.indices);
   };
-  switch (shape.n * 64 + shape.m) {
+  switch (shape.n * 64 + shape.m) {  // the seven patterns two_of_four_copy_by_words names
     case 1 * 64 + 4: by_words(two_of_four_copy_words<1, 4>); break;
     case 1 * 64 + 8: by_words(two_of_four_copy_words<1, 8>); break;
     case 2 * 64 + 8: by_words(two_of_four_copy_words<2, 8>); break;
