@@ -57,10 +57,12 @@ class Point:
         self.y = [torch.empty(m, n, device="cuda", dtype=self.dtype) for _ in range(self.sets)]
 
     def time_us(self, module, path: str) -> float:
-        """Median microseconds per call of `module`'s kernel (with the workspace the installed build
-        asks for, which builds that need none ignore)."""
+        """Median microseconds per call of `module`'s kernel, with the workspace that build asks for
+        (builds stage a 2:4 copy in it on different calls)."""
         dtype = str(self.dtype).removeprefix("torch.")
-        workspace = bench_kernels.workspace_for(torch, self.m, self.k, self.n, self.pattern, dtype, path)
+        need = module.cuda_workspace_bytes(self.m, self.pattern.n, self.pattern.m, self.k, self.n, dtype, "none",
+                                           path=path)
+        workspace = torch.empty(need, dtype=torch.uint8, device="cuda") if need else None
         workspace_ptr = workspace.data_ptr() if workspace is not None else 0
 
         def launch():

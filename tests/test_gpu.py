@@ -219,19 +219,21 @@ def test_device_two_of_four_copy_matches_the_host_one(rng, n, m, dtype_name, k, 
 @pytest.mark.parametrize("n,m", [(1, 4), (2, 8), (1, 8), (2, 16), (1, 3), (1, 32), (2, 12)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(9, 1000, 1030), (40, 4104, 300), (2100, 264, 1000), (4100, 136, 130),
-                                         (1030, 1000, 4100)])
+                                         (1030, 1000, 4100), (3100, 520, 1030)])
 def test_sparse_tensor_cores_stage_a_two_of_four_copy(rng, n, m, dtype_name, rows, k, nout):
     """Calls without a 2:4 copy on the sparse tensor cores: patterns their kernels regroup (1:4,
-    2:8, 1:8) stage a copy in the workspace from kStagedCopyFromRows rows (dispatch.cu), the other
-    patterns that fit 2:4 at any row count. Poisoned workspace and outputs, the float64 reference;
-    K off the 64-position step and Nout off the 128-column tile."""
+    2:8, 1:8) stage a copy in the workspace from kStagedCopyFromRows rows and kStagedCopyMinOutputs
+    outputs (dispatch.cu; 2100 x 1000 and 4100 x 130 do not, 1030 x 4100 and 3100 x 1030 do), the
+    other patterns that fit 2:4 at any row count. Poisoned workspace and outputs, the float64
+    reference; K off the 64-position step and Nout off the 128-column tile."""
     if not kernels.cuda_path_supported("wgmma_sp", rows, n, m, dtype_name, k):
         pytest.skip("no sm_90a device")
     pattern = NMPattern(n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
     need = kernels.cuda_workspace_bytes(rows, n, m, k, nout, dtype_name, path="wgmma_sp")
     copy_bytes = PackedShape(k, nout, NMPattern(2, 4)).packed_bytes(2)
-    assert (need >= copy_bytes) == (rows >= kernels.STAGED_COPY_FROM_ROWS or (n, m) not in [(1, 4), (2, 8), (1, 8)])
+    staged = rows >= kernels.STAGED_COPY_FROM_ROWS and rows * nout >= kernels.STAGED_COPY_MIN_OUTPUTS
+    assert (need >= copy_bytes) == (staged or (n, m) not in [(1, 4), (2, 8), (1, 8)])
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
     [y] = run_cuda(x, packed, bias, 0.75, dtype_name, "wgmma_sp")
     assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
@@ -380,12 +382,12 @@ def test_cuda_paths_fuse_residual_and_prologue(rng, prologue, dtype_name, n, m, 
 
 @pytest.mark.parametrize("nm", ["2:4", "2:8"])
 @pytest.mark.parametrize("path,rows", [("auto", 96), ("wgmma_sp", 40), ("decode", 1), ("decode_mma", 8),
-                                       ("auto", 2100)])
+                                       ("auto", 4100)])
 def test_back_to_back_calls_see_each_others_outputs(rng, nm, path, rows):
     """Three calls on one stream with nothing between them: A reads b0 and writes b1, B reads b1
     and writes b2, C reads b2 and overwrites b0. Kernels launched as programmatic dependents start
     before the previous one ends, so they must wait before reading its output and before writing
-    what it may still read; calls that stage a 2:4 copy (2:8 at 2100 rows) share one workspace,
+    what it may still read; calls that stage a 2:4 copy (2:8 at 4100 rows) share one workspace,
     which each rewrites while the one before may still read it. Each call is checked against the
     float64 reference of its own input as read back afterwards; three rounds, each from fresh data."""
     pattern = NMPattern.parse(nm)
@@ -527,10 +529,11 @@ def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype, permute, fuse
     assert not [o for o in ops if o.startswith("Memcpy")], ops
 
 
-@pytest.mark.parametrize("tokens", [4, 1100])
+@pytest.mark.parametrize("tokens", [4, 2400])
 def test_ort_cuda_io_binding_and_cuda_graph(rng, tokens):
-    """IO binding and ORT's CUDA-graph capture and replay, at 4 tokens and at 1100, where the 2:8
-    projections stage a 2:4 copy in a workspace from ORT's arena (kernels/cuda/dispatch.cu)."""
+    """IO binding and ORT's CUDA-graph capture and replay, at 4 tokens and at 2400, where the fused
+    2:8 gate/up projection (1376 wide) stages a 2:4 copy in a workspace from ORT's arena
+    (kernels/cuda/dispatch.cu)."""
     import onnxruntime as ort
 
     import nmcli

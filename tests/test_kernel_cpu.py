@@ -142,7 +142,8 @@ def test_rejects_bad_shapes(rng):
 def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     """The workspace a call needs on the sparse tensor cores (kernels/cuda/dispatch.cu): a 2:4
     copy of the weight (values, then offset words from a 256-byte boundary) for 1:4, 2:8 and 1:8
-    from STAGED_COPY_FROM_ROWS rows and for the other patterns that fit 2:4 at any row count, none
+    from STAGED_COPY_FROM_ROWS rows and STAGED_COPY_MIN_OUTPUTS outputs, for the other patterns
+    that fit 2:4 at any row count, none
     for 2:4 itself, for fp32 or for a call that carries a copy; after a gated call's activation."""
     if not getattr(_kernels, "HAS_CUDA", False):
         pytest.skip("built without CUDA")
@@ -164,10 +165,16 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     assert space(4096, 4, 16, 4096, 4096, "bfloat16") == 0  # does not fit 2:4
     assert space(17, 2, 16, 4104, 1000, "bfloat16") == copy_bytes(4104, 1000)
     assert space(9, 1, 3, 100, 33, "float16") == copy_bytes(100, 33)
+    # ... and only from STAGED_COPY_MIN_OUTPUTS outputs (rows x Nout): not on narrow outputs.
+    assert _kernels.STAGED_COPY_MIN_OUTPUTS == 3 << 20
+    assert space(rows, 2, 8, 4096, 2048, "float16") == 0
+    assert space(2048, 2, 8, 4096, 2048, "float16") == copy_bytes(4096, 2048)
+    assert space(3072, 1, 8, 4096, 1024, "bfloat16") == copy_bytes(4096, 1024)
+    assert space(3071, 1, 8, 4096, 1024, "bfloat16") == 0
     gated = 2000 * 100 * 2  # the activation A, then the copy from the next 256-byte boundary
-    assert space(2000, 2, 8, 100, 300, "float16", "silu") == -(-gated // 256) * 256 + copy_bytes(100, 300)
-    assert space(2000, 2, 8, 100, 300, "float16", norm=True) == -(-gated // 256) * 256 + copy_bytes(100, 300)
-    assert _kernels.cuda_workspace_bytes(2000, 2, 8, 100, 300, "float16", "silu", "mma") == gated
+    assert space(2000, 2, 8, 100, 1600, "float16", "silu") == -(-gated // 256) * 256 + copy_bytes(100, 1600)
+    assert space(2000, 2, 8, 100, 1600, "float16", norm=True) == -(-gated // 256) * 256 + copy_bytes(100, 1600)
+    assert _kernels.cuda_workspace_bytes(2000, 2, 8, 100, 1600, "float16", "silu", "mma") == gated
 
 
 def test_library_reports_cuda_when_built_with_nvcc():

@@ -62,6 +62,7 @@ CudaPath parse_path(const std::string& name) {
 void register_cuda_bindings(py::module_& mod) {
   mod.attr("HAS_CUDA") = true;
   mod.attr("STAGED_COPY_FROM_ROWS") = kStagedCopyFromRows;
+  mod.attr("STAGED_COPY_MIN_OUTPUTS") = kStagedCopyMinOutputs;
   mod.def(
       "nm_matmul_cuda",
       [](uintptr_t x, uintptr_t values, uintptr_t indices, uintptr_t bias, const py::object& y, int64_t rows, int n, int m,

@@ -80,7 +80,9 @@
 //    read them (a weight tile once per activation tile). Session 40 (H100, ab_kernels --path
 //    wgmma_sp against HEAD with the staging forced from 256 rows, 2:8, 1:8 and 1:4 on 4096 x 4096,
 //    11008 x 4096, 4096 x 14336 and 14336 x 4096): 0.72-0.95x at 512 rows, 0.96-1.15x at 1024
-//    (below 1 only on 11008 x 4096), 1.00-1.26x at 2048 and 1.04-1.28x at 4096. Other patterns that
+//    (below 1 only on 11008 x 4096), 1.00-1.26x at 2048 and 1.04-1.28x at 4096. On narrow outputs it
+//    lost (session 41: 0.85-0.96x below 3M output entries), so it also needs rows x Nout of
+//    kStagedCopyMinOutputs (3 x 2^20; the LLaMA projections reach it at 1024 rows). Other patterns that
 //    fit 2:4 (2:16, 1:16, 1:3, 2:32, ...) reach the sparse tensor cores only that way: see
 //    staging_pays for where.
 //  * fp32, element-wise: the 3xTF32 warpgroup kernel (wgmma_tf32.cu) from 9 rows, for the families
@@ -203,12 +205,18 @@ bool regrouped_in_kernel(int n, int m) {
 
 // Whether a call on the sparse tensor cores first writes its weight's 2:4 copy into its workspace
 // and reads that (the weight regrouped once per call, not once per block that reads it): fp16/bf16
-// weights whose pattern fits 2:4 and that carry no copy, from kStagedCopyFromRows rows for the
-// patterns the kernels also regroup themselves (the rule above), at any row count for the others
-// (the only way they reach the sparse tensor cores).
+// weights whose pattern fits 2:4 and that carry no copy, at any row count for the patterns the
+// kernels do not regroup themselves (the only way they reach the sparse tensor cores); for those
+// they do (1:4, 2:8, 1:8), from kStagedCopyFromRows rows where the output has at least
+// kStagedCopyMinOutputs entries. Session 41 (H100, ab_kernels --path auto against 64886ec, the
+// regrouping kernel, 2:8, 1:8 and 1:4 at 1024 and 2048 rows): staging lost on the narrow outputs,
+// 0.87-0.92x on 4096 x 2048 at 1024 rows (2.1M outputs), 0.85-0.96x on 4096 and 8192 x 1024 at 2048
+// rows (2.1M), 0.95-1.04x on them at 1024 rows (1M); it won from 4.2M outputs, 1.21-1.29x on 4096 x
+// 2048 at 2048 rows and 1.12-1.16x on 4096 x 4096 at 1024 rows.
 bool stages_copy(const CudaMatMul& c) {
   if (has_copy(c) || c.dtype == DType::f32 || !fits_two_of_four(c.shape.n, c.shape.m)) return false;
-  return c.rows >= kStagedCopyFromRows || !regrouped_in_kernel(c.shape.n, c.shape.m);
+  if (!regrouped_in_kernel(c.shape.n, c.shape.m)) return true;
+  return c.rows >= kStagedCopyFromRows && c.rows * c.shape.nout >= kStagedCopyMinOutputs;
 }
 
 // Workspace bytes of a call's activation A (gated or normalised calls off the decode paths), and

@@ -42,9 +42,11 @@ struct CudaMatMul {
   const uint32_t* copy_indices = nullptr;   // [Nout, S4/16]
 };
 
-// From this many rows the sparse tensor cores read 1:4, 2:8 and 1:8 weights that carry no 2:4
-// copy as one staged in the call's workspace (kernels/cuda/dispatch.cu, stages_copy).
+// From this many rows, and this many outputs (rows x Nout), the sparse tensor cores read 1:4, 2:8
+// and 1:8 weights that carry no 2:4 copy as one staged in the call's workspace
+// (kernels/cuda/dispatch.cu, stages_copy).
 constexpr int64_t kStagedCopyFromRows = 1024;
+constexpr int64_t kStagedCopyMinOutputs = int64_t{3} << 20;
 
 // Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).
 CudaPath choose_path(const CudaMatMul& call);
