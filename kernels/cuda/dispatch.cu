@@ -81,8 +81,8 @@
 //    wgmma_sp against HEAD with the staging forced from 256 rows, 2:8, 1:8 and 1:4 on 4096 x 4096,
 //    11008 x 4096, 4096 x 14336 and 14336 x 4096): 0.72-0.95x at 512 rows, 0.96-1.15x at 1024
 //    (below 1 only on 11008 x 4096), 1.00-1.26x at 2048 and 1.04-1.28x at 4096. On narrow outputs it
-//    lost (session 41: 0.85-0.96x below 3M output entries), so it also needs rows x Nout of
-//    kStagedCopyMinOutputs (3 x 2^20; the LLaMA projections reach it at 1024 rows). Other patterns that
+//    lost or tied (session 41: 0.85-0.96x at 2.1M output entries, 0.95-1.04x at 1M), so it also needs
+//    rows x Nout of kStagedCopyMinOutputs (3 x 2^20; the LLaMA projections reach it at 1024 rows). Other patterns that
 //    fit 2:4 (2:16, 1:16, 1:3, 2:32, ...) reach the sparse tensor cores only that way: see
 //    staging_pays for where.
 //  * fp32, element-wise: the 3xTF32 warpgroup kernel (wgmma_tf32.cu) from 9 rows, for the families
