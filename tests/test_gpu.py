@@ -216,7 +216,7 @@ def test_device_two_of_four_copy_matches_the_host_one(rng, n, m, dtype_name, k, 
     np.testing.assert_array_equal(copy_indices.cpu().numpy().view(np.uint32), want.indices)
 
 
-@pytest.mark.parametrize("n,m", [(1, 4), (2, 8), (1, 8), (2, 16), (1, 3), (1, 32), (2, 12)])
+@pytest.mark.parametrize("n,m", [(1, 4), (2, 8), (1, 8), (2, 16), (1, 3), (1, 32), (2, 12), (1, 2)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(9, 1000, 1030), (40, 4104, 300), (2100, 264, 1000), (4100, 136, 130),
                                          (1030, 1000, 4100), (3100, 520, 1030)])

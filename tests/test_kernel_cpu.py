@@ -313,7 +313,7 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(16, 1, 16, 4096, 4096, "float16") in ("decode", "mma")
     assert _kernels.cuda_path(17, 1, 3, 4096, 4096, "float16") == ("wgmma_sp" if sm90 else "tiled")
     assert _kernels.cuda_path(64, 2, 32, 4096, 4096, "bfloat16") == ("wgmma_sp" if sm90 else "tiled")
-    assert _kernels.cuda_path(17, 1, 2, 4096, 4096, "float16") == "mma"  # its copy goes a block per thread
+    assert _kernels.cuda_path(17, 1, 2, 4096, 4096, "float16") == sp  # its copy goes a word per thread too
     assert _kernels.cuda_path(1024, 1, 2, 4096, 4096, "float16") == sp
     assert _kernels.cuda_path(1023, 2, 16, 4096, 4096, "float16") == ("wgmma" if sm90 else "mma")
     assert _kernels.cuda_path(1024, 2, 16, 4096, 4096, "float16") == sp

@@ -351,9 +351,11 @@ namespace {
 // (session 40, H100, forced paths on 4096 x 4096): from kStagedCopyFromRows rows against the
 // kernels that regroup or expand the weight on the tensor cores themselves (2:16 on wgmma:
 // 0.57-0.81x at 17-512 rows, 1.01x at 1024, 1.11x at 4096), from 17 rows against the mma path where
-// the copy goes a word per thread (1:16: 1.42x at 17 rows, 1.60x at 64, 3.75-7.2x from 256) and
-// against the tiled SIMT path (2:32 12.8x, 1:3 7.1x at 17 rows). At 1..16 rows the decode kernels
-// keep what they take.
+// the copy goes a word per thread (1:16: 1.42x at 17 rows, 1.60x at 64, 3.75-7.2x from 256; 1:2
+// since session 41, H100, ab_kernels --path auto against HEAD on 4096 x 4096 and 4096 x 14336:
+// 1.44x and 1.10x at 17 rows, 1.66x and 1.19x at 64, 2.94x and 3.62x at 256) and against the
+// tiled SIMT path (2:32 12.8x, 1:3 7.1x at 17 rows). At 1..16 rows the decode kernels keep what
+// they take.
 bool staging_pays(const CudaMatMul& call) {
   if (call.rows >= kStagedCopyFromRows) return true;
   if (call.rows <= kDecodeMaxRows || path_supported(call, CudaPath::wgmma)) return false;

@@ -79,7 +79,7 @@ struct TwoOfFourCopy {
 size_t two_of_four_copy_bytes(const NMShape& shape);
 TwoOfFourCopy two_of_four_copy_parts(void* buffer, const NMShape& shape);
 // Whether the copy of an n:m weight is written a word (32 positions) per thread, at about the copy
-// bandwidth (M in {4, 8, 16, 32}); other patterns that fit 2:4 go a block of 4 positions per thread.
+// bandwidth (M in {2, 4, 8, 16, 32}); other patterns that fit 2:4 go a block of 4 positions per thread.
 bool two_of_four_copy_by_words(int n, int m);
 // Writes the 2:4 copy of a 16-bit weight whose pattern fits 2:4 (fits_two_of_four) on `stream`: the
 // bytes nmcli.format.two_of_four_copy writes (kernels/cuda/two_of_four_copy.cu). cudaError_t as int.

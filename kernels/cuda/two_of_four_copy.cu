@@ -42,7 +42,11 @@ __device__ __forceinline__ void copy_block(int found, uint32_t at0, uint32_t val
 // kE consecutive 16-bit values starting at a multiple of kE entries (16-byte aligned rows), as words.
 template <int kE>
 __device__ __forceinline__ void load_entries(const uint16_t* at, uint32_t (&words)[(kE + 1) / 2]) {
-  if constexpr (kE == 8) {
+  if constexpr (kE == 16) {
+    const uint4 a = __ldg(reinterpret_cast<const uint4*>(at)), b = __ldg(reinterpret_cast<const uint4*>(at) + 1);
+    words[0] = a.x, words[1] = a.y, words[2] = a.z, words[3] = a.w;
+    words[4] = b.x, words[5] = b.y, words[6] = b.z, words[7] = b.w;
+  } else if constexpr (kE == 8) {
     const uint4 v = __ldg(reinterpret_cast<const uint4*>(at));
     words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
   } else if constexpr (kE == 4) {
@@ -55,11 +59,13 @@ __device__ __forceinline__ void load_entries(const uint16_t* at, uint32_t (&word
   }
 }
 
-// Patterns whose groups tile a word of the copy (M in {4, 8, 16, 32}: 32 / M whole groups, kE
+// Patterns whose groups tile a word of the copy (M in {2, 4, 8, 16, 32}: 32 / M whole groups, kE
 // entries): one thread per word, which loads its entries and their offsets in one or two reads
-// each and writes 16 values and one offset word. The rows hold enough entries: a row of the copy
-// has 2 * ceil(K / 64) words, whose entries 64 * N / M * ceil(K / 64) never pass the stored row
-// length round_up(ceil(K / M) * N, 32).
+// each and writes 16 values and one offset word. With M = 2 (1:2) a block of 4 positions holds
+// two groups, one entry each (session 41: 94% of the copy bandwidth on 4096 x 4096, where a thread
+// per block ran too slowly to stage); with M >= 4 a group holds kM / 4 blocks. The rows hold enough
+// entries: a row of the copy has 2 * ceil(K / 64) words, whose entries 64 * N / M * ceil(K / 64)
+// never pass the stored row length round_up(ceil(K / M) * N, 32).
 template <int kN, int kM>
 __global__ void __launch_bounds__(kCopyThreads)
     two_of_four_copy_words(const uint16_t* values, const uint32_t* indices, NMShape shape, int words_per_row,
@@ -75,19 +81,32 @@ __global__ void __launch_bounds__(kCopyThreads)
     uint32_t pairs[8], word = 0;
 #pragma unroll
     for (int b = 0; b < 8; ++b) {
-      constexpr int kBlocksPerGroup = kM / 4;
-      const int group = b / kBlocksPerGroup, quarter = b % kBlocksPerGroup;  // the group's block holding b
       int found = 0;
       uint32_t at0 = 0, at1 = 0, value0 = 0, value1 = 0;
+      if constexpr (kM == 2) {
 #pragma unroll
-      for (int s = 0; s < kN; ++s) {
-        const int e = group * kN + s;
-        const uint32_t offset = offsets >> (e * kBits) & ((1u << kBits) - 1u);
-        const bool here = static_cast<int>(offset >> 2) == quarter && first + group * kM + offset < shape.k;
-        const uint32_t value = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
-        if (here && found == 0) at0 = offset & 3, value0 = value;
-        if (here && found == 1) at1 = offset & 3, value1 = value;
-        found += here;
+        for (int h = 0; h < 2; ++h) {  // groups 2b and 2b + 1: entries 2b and 2b + 1
+          const int e = 2 * b + h;
+          const uint32_t at = 2 * h + (offsets >> e & 1u);
+          const bool here = first + 4 * b + at < shape.k;
+          const uint32_t value = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
+          if (here && found == 0) at0 = at, value0 = value;
+          if (here && found == 1) at1 = at, value1 = value;
+          found += here;
+        }
+      } else {
+        constexpr int kBlocksPerGroup = kM / 4;
+        const int group = b / kBlocksPerGroup, quarter = b % kBlocksPerGroup;  // the group's block holding b
+#pragma unroll
+        for (int s = 0; s < kN; ++s) {
+          const int e = group * kN + s;
+          const uint32_t offset = offsets >> (e * kBits) & ((1u << kBits) - 1u);
+          const bool here = static_cast<int>(offset >> 2) == quarter && first + group * kM + offset < shape.k;
+          const uint32_t value = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
+          if (here && found == 0) at0 = offset & 3, value0 = value;
+          if (here && found == 1) at1 = offset & 3, value1 = value;
+          found += here;
+        }
       }
       uint32_t fields = 0;
       pairs[b] = 0;
@@ -101,8 +120,8 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
-// Every other pattern that fits 2:4 (N = 1 with M not a power of two from 4, or N = 2 with M a
-// multiple of 4 that is not: 1:2, 1:3, 2:12, ...): one thread per block of 4 positions, which
+// Every other pattern that fits 2:4 (N = 1 with M not a power of two, or N = 2 with M a multiple
+// of 4 that is not: 1:3, 1:5, 2:12, ...): one thread per block of 4 positions, which
 // reads the entries of the one or two groups that meet it. Each 8 consecutive threads (8 blocks,
 // 32 positions) hold one offset word; they OR their fields together and the first writes it.
 __global__ void __launch_bounds__(kCopyThreads)
@@ -161,7 +180,9 @@ TwoOfFourCopy two_of_four_copy_parts(void* buffer, const NMShape& shape) {
   return {base, reinterpret_cast<uint32_t*>(base + copy_values_span(NMShape::make(shape.k, shape.nout, 2, 4)))};
 }
 
-bool two_of_four_copy_by_words(int n, int m) { return fits_two_of_four(n, m) && m % 4 == 0 && 32 % m == 0; }
+bool two_of_four_copy_by_words(int n, int m) {
+  return fits_two_of_four(n, m) && (m == 2 || m % 4 == 0) && 32 % m == 0;
+}
 
 int two_of_four_copy_cuda(const void* values, const uint32_t* indices, const NMShape& shape, TwoOfFourCopy copy,
                           void* stream) {
@@ -178,7 +199,8 @@ int two_of_four_copy_cuda(const void* values, const uint32_t* indices, const NMS
     kernel<<<copy_grid(words, shape.nout), kCopyThreads, 0, cast>>>(v, indices, shape, static_cast<int>(words), out,
                                                                      copy.indices);
   };
-  switch (shape.n * 64 + shape.m) {  // the seven patterns two_of_four_copy_by_words names
+  switch (shape.n * 64 + shape.m) {  // the eight patterns two_of_four_copy_by_words names
+    case 1 * 64 + 2: by_words(two_of_four_copy_words<1, 2>); break;
     case 1 * 64 + 4: by_words(two_of_four_copy_words<1, 4>); break;
     case 1 * 64 + 8: by_words(two_of_four_copy_words<1, 8>); break;
     case 2 * 64 + 8: by_words(two_of_four_copy_words<2, 8>); break;
