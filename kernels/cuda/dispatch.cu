@@ -227,15 +227,20 @@ size_t activation_bytes(const CudaMatMul& c, CudaPath path) {
 }
 size_t staged_copy_offset(const CudaMatMul& c) { return (activation_bytes(c, CudaPath::wgmma_sp) + 255) / 256 * 256; }
 
+// Where a call that stages its 2:4 copy keeps it in its workspace (nowhere yet where there is no
+// workspace, as when only the path is being chosen).
+TwoOfFourCopy staged_copy(const CudaMatMul& c) {
+  if (c.workspace == nullptr) return {};
+  return two_of_four_copy_parts(static_cast<uint8_t*>(c.workspace) + staged_copy_offset(c), c.shape);
+}
+
 // The call as the sparse tensor cores read it: its 2:4 copy in place of the weight, where it
-// carries one or stages one in its workspace.
-CudaMatMul sparse_tensor_core_view(const CudaMatMul& c) {
-  const bool staged = stages_copy(c);
+// carries one or stages one (`staged`: stages_copy(c)) in its workspace.
+CudaMatMul sparse_tensor_core_view(const CudaMatMul& c, bool staged) {
   if (!has_copy(c) && !staged) return c;
   CudaMatMul view = c;
-  if (staged) {  // (no workspace yet where only the path is being chosen)
-    const TwoOfFourCopy copy = c.workspace ? two_of_four_copy_parts(static_cast<uint8_t*>(c.workspace) + staged_copy_offset(c), c.shape)
-                                           : TwoOfFourCopy{};
+  if (staged) {
+    const TwoOfFourCopy copy = staged_copy(c);
     view.values = copy.values;
     view.indices = copy.indices;
   } else {
@@ -246,6 +251,7 @@ CudaMatMul sparse_tensor_core_view(const CudaMatMul& c) {
   view.vector = 0;
   return view;
 }
+CudaMatMul sparse_tensor_core_view(const CudaMatMul& c) { return sparse_tensor_core_view(c, stages_copy(c)); }
 
 // fp16/bf16 vector-wise weights: the vector path at 9..64 rows where N/M <= 1/4; with a 2:4 copy,
 // which runs the 2:4 kernel instead, only at 9..32 rows where N/M <= 1/8 (see the rule above).
@@ -462,11 +468,11 @@ int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
       (call.workspace == nullptr || reinterpret_cast<uintptr_t>(call.workspace) % 16 != 0))
     return cudaErrorInvalidValue;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  const CudaMatMul used = path == CudaPath::wgmma_sp ? sparse_tensor_core_view(call) : call;
   const bool staged = path == CudaPath::wgmma_sp && stages_copy(call);
+  const CudaMatMul used = path == CudaPath::wgmma_sp ? sparse_tensor_core_view(call, staged) : call;
   if (staged) {
-    const TwoOfFourCopy copy{const_cast<void*>(used.values), const_cast<uint32_t*>(used.indices)};
-    if (const int e = two_of_four_copy_cuda(call.values, call.indices, call.shape, copy, stream_ptr); e != 0) return e;
+    const int e = two_of_four_copy_cuda(call.values, call.indices, call.shape, staged_copy(call), stream_ptr);
+    if (e != 0) return e;
   }
   switch (call.dtype) {
     case DType::f32: return run<float>(used, stream, path, staged);
