@@ -120,7 +120,8 @@ constexpr TileCost kSparseTiles[] = {{256, 1.5}, {128, 1.2}, {64, 1.0}};
 
 // Which K splits launch_split weighs: up to `most` blocks of a cluster per tile, each block keeping
 // at least 8 steps, each extra block costing `extra_steps` steps (the reduction through distributed
-// shared memory, the cluster's barriers); only for grids whose tiles alone leave SMs idle unless
+// shared memory, the cluster's barriers; `extra_steps_past_64_rows` instead for calls of more rows
+// where given); only for grids whose tiles alone leave SMs idle unless
 // `any_grid`. `whole_sm`: the kernels' blocks each fill an SM (whole_sm_clusters counts a wave);
 // else a wave is taken as SMs / split clusters. `one_wave` (with `whole_sm`): a split only where
 // all its clusters run at once.
@@ -131,6 +132,7 @@ struct SplitRule {
   bool any_grid;
   bool whole_sm;
   bool one_wave;
+  double extra_steps_past_64_rows = -1;  // negative: extra_steps at every row count
 };
 
 // The fp16/bf16 kernels' splits, up to 8 blocks (the portable cluster size), from sessions 33 and
@@ -152,7 +154,15 @@ struct SplitRule {
 // and 0.89-0.93x (4:8) of the unsplit grid (session 34, run J): it does not weigh a wave's fill and
 // drain. So splits must fit in one wave.
 constexpr SplitRule kSparseSplits{kMostBlocks, 0.5, false, true, true};
-constexpr SplitRule kTwoOfFourSplits{kMostBlocks, 3.5, false, true, true};
+// Past 64 rows an extra 2:4 block costs 20 steps (session 42, H100: every width x split forced on
+// 1024 x 1024 to 14336 x 4096 at 17-4096 rows, 69 points, with the epilogue's row loop made lean;
+// scratch/fit42*.py, not kept): the partial tiles a split sums grow with the rows, and 128- and
+// 64-row tiles unsplit beat wider ones split two ways. Within 3% of the fastest forced choice at
+// 56 of 69 points (44 of the 45 past 64 rows, worst 1.04x) where 3.5 throughout was at 46 (worst
+// 1.38x: 2048 x 1024 x 1024 took 256-row tiles split two ways, 13.5 us against 9.7 for 128-row
+// tiles unsplit). Up to 64 rows 3.5 stays: there the fastest splits were as many as or more than
+// 3.5's (17-64 rows on 4096 x 1024: 8 ways, 1.08-1.11x its 4), which 20 would cut to 2.
+constexpr SplitRule kTwoOfFourSplits{kMostBlocks, 3.5, false, true, true, 20.0};
 
 // A block with more than half of an SM's 228 KB of shared memory runs alone on its SM, and clusters
 // of such blocks must fit in one GPC: on the H100 (132 SMs) 66 clusters of 2 run at once, 39 of 3,
@@ -184,6 +194,8 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
                          Launch&& launch) {
   const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
   const int64_t most_blocks = std::min(rule.most, kMostBlocks);
+  const double extra_steps =
+      p.rows > 64 && rule.extra_steps_past_64_rows >= 0 ? rule.extra_steps_past_64_rows : rule.extra_steps;
   int best_rows = tiles[0].rows, best_split = 1;
   double best = -1.0;
   // Clusters of each split that run at once (whole_sm), asked once per call: every width weighs
@@ -199,7 +211,7 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
     const int most = may_split ? static_cast<int>(std::clamp<int64_t>(steps / 8, 1, most_blocks)) : 1;
     for (int split = 1; split <= most; ++split) {
       if (rule.one_wave && split > 1 && blocks > clusters(split)) continue;
-      const double per_block = static_cast<double>((steps + split - 1) / split) + rule.extra_steps * (split - 1);
+      const double per_block = static_cast<double>((steps + split - 1) / split) + extra_steps * (split - 1);
       const double waves = rule.whole_sm ? std::ceil(static_cast<double>(blocks) / clusters(split))
                                          : std::ceil(static_cast<double>(blocks * split) / sms);
       const double time = waves * per_block * tile.cost;
@@ -225,6 +237,52 @@ __device__ __forceinline__ void split_steps(int64_t positions, int& begin, int& 
   end = static_cast<int>((static_cast<int64_t>(blockIdx.z) + 1) * groups / splits * kGroup);
 }
 
+// finish_tile's reads of 4 fp32 partial sums: from this block's shared memory, or from that of
+// block `rank` of the cluster (distributed shared memory; `at` is this block's address of them).
+__device__ __forceinline__ float4 ld_shared_f32x4(uint32_t at) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at));
+  return v;
+}
+__device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t at, int rank) {
+  uint32_t peer;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(at), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(peer));
+  return v;
+}
+
+// One 8- or 16-byte store (a plain vector assignment went out as two 4-byte stores).
+__device__ __forceinline__ void st_global_vec(void* at, uint2 v) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(at), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void st_global_vec(void* at, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// 4 outputs rounded to T, as one 8-byte (16-bit T) or 16-byte (fp32) vector.
+template <typename T>
+__device__ __forceinline__ std::conditional_t<sizeof(T) == 4, uint4, uint2> pack4(const float (&v)[4]) {
+  if constexpr (std::is_same_v<T, float>) {
+    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+  } else {
+    auto pair = [](float a, float b) {
+      uint32_t bits;
+      if constexpr (std::is_same_v<T, __half>) {
+        const __half2 h = __floats2half2_rn(a, b);
+        memcpy(&bits, &h, 4);
+      } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        memcpy(&bits, &h, 4);
+      }
+      return bits;
+    };
+    return make_uint2(pair(v[0], v[1]), pair(v[2], v[3]));
+  }
+}
+
 // The epilogue of every warpgroup kernel: writes the block's [kRows x kTileW] output tile (alpha,
 // bias and residual applied), summing the partial tiles of a cluster that split K.
 // * Every block puts its fp32 accumulators into its own shared memory (`scratch`, free once the
@@ -237,7 +295,9 @@ __device__ __forceinline__ void split_steps(int64_t positions, int& begin, int& 
 // It replaced (session 32) a reduction where block 0 read all of its peers' tiles and then stored
 // the tile from the MMA fragments, 2 bytes a store spread over 4 output rows: fp16 1.04-1.17x at
 // 512 rows, 1.00-1.09x at 17-64 and 1.01-1.06x at 4096 (2:4, 2:8, 4:8 on LLaMA shapes); fp32
-// 0.98-1.04x (BENCHMARKS.md).
+// 0.98-1.04x (BENCHMARKS.md). Session 42 made the row loop lean where each lane's 4 outputs go
+// as one aligned vector (the common case; the general loop stays for the rest): 1.03-1.16x at
+// 4096 rows on the LLaMA projections (2:4, 2:8, 1:4), 1.05-1.09x for 4:8 on the expanding kernel.
 // Accumulator i*4 + h*2 + e of a consumer thread holds weight row `row` (+ 8 for h = 1) of the
 // block, activation row 8i + 2q + e of its tile. Threads that hold no accumulators (`holds`
 // false) take part in the barriers and the stores.
@@ -267,41 +327,76 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
     cg::this_cluster().sync();  // the partial tiles are written
   else
     __syncthreads();
-  const int lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
+  const int lane = threadIdx.x & 31, warp = static_cast<int>(threadIdx.x >> 5), warps = static_cast<int>(blockDim.x >> 5);
   const int col = 4 * lane;
   const int64_t w = w0 + col;
-  // The 4 columns as one vector store where they are in one output part, inside Nout and aligned;
-  // else one at a time (store_output).
+  // The lane's 4 columns as one vector where they are in one output part and inside Nout; else
+  // one at a time (store_output).
   const OutputColumn<T> first = p.y.column(w), last = p.y.column(w + 3);
   const bool whole = w + 3 < p.nout && last.y == first.y + 3;
   float bias[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) bias[j] = whole && p.bias ? to_f32(p.bias[w + j]) : 0.f;
-  for (int r = rank + splits * static_cast<int>(threadIdx.x >> 5); r < kRows; r += splits * warps) {
-    const int64_t out_row = r0 + r;
-    if (out_row >= p.rows) break;
-    float4 sum;
-    for (int z = 0; z < splits; ++z) {  // in rank order, as the reduction before this one summed them
-      const float* from = z == rank ? tile : cg::this_cluster().map_shared_rank(tile, z);
-      const float4 v = *reinterpret_cast<const float4*>(from + r * kPitch + col);
-      if (z == 0)
-        sum = v;
-      else
+  const int r_begin = rank + splits * warp, r_step = splits * warps;
+  const int r_end = static_cast<int>(p.rows - r0 < kRows ? p.rows - r0 : kRows);
+  using Vec = std::conditional_t<sizeof(T) == 4, uint4, uint2>;  // 4 outputs
+  auto vec_aligned = [](const T* ptr, int64_t stride) {
+    return reinterpret_cast<uintptr_t>(ptr) % sizeof(Vec) == 0 && stride * sizeof(T) % sizeof(Vec) == 0;
+  };
+  if (whole && vec_aligned(first.y, first.stride) && (p.residual == nullptr || vec_aligned(p.residual + w, p.nout))) {
+    // Every row's 4 outputs (and residuals) one aligned vector: shared-memory addresses and output
+    // offsets stepped, not recomputed, per row. Session 42 (H100, per-block clock stamps): the
+    // general loop below, its 64-bit index arithmetic, generic loads and per-row checks took 8.1-8.4
+    // us of a 256-row tile's 41 us at 4096 x 4096 x 4096 (2:4), about as long with its stores left
+    // out, and 2.5-4.3 us of 64- and 128-row tiles whose main loop ran 2-4 us (BENCHMARKS.md).
+    const uint32_t tile_at = smem_addr(tile) + static_cast<uint32_t>(col * 4);
+    const int64_t out_step = static_cast<int64_t>(r_step) * first.stride, res_step = static_cast<int64_t>(r_step) * p.nout;
+    int64_t out_at = (r0 + r_begin) * first.stride, res_at = (r0 + r_begin) * p.nout + w;
+#pragma unroll 2
+    for (int r = r_begin; r < r_end; r += r_step, out_at += out_step, res_at += res_step) {
+      const uint32_t at = tile_at + static_cast<uint32_t>(r * kPitch * 4);
+      // In rank order; this block's own partial sums from its shared memory, its peers' through
+      // distributed shared memory.
+      auto partial = [&](int z) { return z == rank ? ld_shared_f32x4(at) : ld_cluster_f32x4(at, z); };
+      float4 sum = partial(0);
+      for (int z = 1; z < splits; ++z) {
+        const float4 v = partial(z);
         sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+      }
+      float v[4] = {p.alpha * sum.x + bias[0], p.alpha * sum.y + bias[1], p.alpha * sum.z + bias[2],
+                    p.alpha * sum.w + bias[3]};
+      if (p.residual) {
+        const Vec raw = *reinterpret_cast<const Vec*>(p.residual + res_at);
+        T res[4];
+        memcpy(res, &raw, sizeof(Vec));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] += to_f32(res[j]);
+      }
+      st_global_vec(first.y + out_at, pack4<T>(v));
     }
-    const float v[4] = {sum.x, sum.y, sum.z, sum.w};
-    T* dst = &first[out_row];
-    using Vec = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
-    if (whole && reinterpret_cast<uintptr_t>(dst) % sizeof(Vec) == 0) {
-      T out[4];
+  } else {
+    for (int r = r_begin; r < r_end; r += r_step) {
+      const int64_t out_row = r0 + r;
+      float4 sum;
+      for (int z = 0; z < splits; ++z) {  // in rank order, as the reduction before this one summed them
+        const float* from = z == rank ? tile : cg::this_cluster().map_shared_rank(tile, z);
+        const float4 v = *reinterpret_cast<const float4*>(from + r * kPitch + col);
+        if (z == 0)
+          sum = v;
+        else
+          sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+      }
+      const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+      T* dst = &first[out_row];
+      if (whole && reinterpret_cast<uintptr_t>(dst) % sizeof(Vec) == 0) {
+        float out[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) out[j] = from_f32<T>(p.alpha * v[j] + bias[j] + residual_at(p, out_row, w + j));
-      Vec packed;
-      memcpy(&packed, out, sizeof(Vec));
-      *reinterpret_cast<Vec*>(dst) = packed;
-    } else {
+        for (int j = 0; j < 4; ++j) out[j] = p.alpha * v[j] + bias[j] + residual_at(p, out_row, w + j);
+        st_global_vec(dst, pack4<T>(out));
+      } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) store_output<T>(p, out_row, w + j, v[j]);
+        for (int j = 0; j < 4; ++j) store_output<T>(p, out_row, w + j, v[j]);
+      }
     }
   }
   if (split) cg::this_cluster().sync();  // peers' shared memory must outlive the reads above
