@@ -237,23 +237,6 @@ __device__ __forceinline__ void split_steps(int64_t positions, int& begin, int& 
   end = static_cast<int>((static_cast<int64_t>(blockIdx.z) + 1) * groups / splits * kGroup);
 }
 
-// finish_tile's reads of 4 fp32 partial sums: from this block's shared memory, or from that of
-// block `rank` of the cluster (distributed shared memory; `at` is this block's address of them).
-__device__ __forceinline__ float4 ld_shared_f32x4(uint32_t at) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at));
-  return v;
-}
-__device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t at, int rank) {
-  uint32_t peer;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(at), "r"(rank));
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(peer));
-  return v;
-}
-
 // One 8- or 16-byte store (a plain vector assignment went out as two 4-byte stores).
 __device__ __forceinline__ void st_global_vec(void* at, uint2 v) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(at), "r"(v.x), "r"(v.y) : "memory");
@@ -283,6 +266,65 @@ __device__ __forceinline__ std::conditional_t<sizeof(T) == 4, uint4, uint2> pack
   }
 }
 
+// finish_tile's reads of 4 fp32 partial sums: from this block's shared memory, or from that of
+// block `rank` of the cluster (distributed shared memory; `at` is this block's address of them).
+__device__ __forceinline__ float4 ld_shared_f32x4(uint32_t at) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at));
+  return v;
+}
+__device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t at, int rank) {
+  uint32_t peer;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(at), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(peer));
+  return v;
+}
+
+// The partial tiles finish_tile adds at one lane's 4 columns: with kParts == 1 this block's own,
+// from its shared memory; else those of the cluster's `count` blocks (at most kParts) in rank
+// order through distributed shared memory (a grid launched without clusters has clusters of one
+// block). sum() issues a row's loads before its adds: exactly 1 or 2, else in rounds of 4 with the
+// loads past `count` predicated off. Session 43 (H100): the loop over the runtime block count it
+// replaced went out as one load, a round of 4, then one at a time, with a branch per block between
+// local and peer loads. Kept apart: one version for every count (8 loads, each behind a check)
+// lost 9-15% on unsplit 2:4 calls of 256-1024 rows, whose every row paid for the checks; 8 generic
+// peer pointers mapped once spilled registers in the kernels that run two blocks per SM.
+template <int kParts>
+struct PartialTiles {
+  uint32_t at;  // this lane's columns in this block's tile (shared-memory address)
+  int count;
+
+  __device__ __forceinline__ PartialTiles(const float* tile, int col, int blocks)
+      : at(smem_addr(tile) + static_cast<uint32_t>(col * 4)), count(blocks) {}
+
+  // Exact where kParts <= 2 (the caller chose kParts == count), else loads past count skipped.
+  __device__ __forceinline__ float4 sum(int offset) const {
+    const uint32_t row = at + static_cast<uint32_t>(offset * 4);
+    if constexpr (kParts == 1) return ld_shared_f32x4(row);
+    float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
+    constexpr int kBatch = kParts < 4 ? kParts : 4;
+#pragma unroll
+    for (int z0 = 0; z0 < kParts; z0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (kParts <= 2 || z0 + j < count) v[j] = ld_cluster_f32x4(row, z0 + j);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (kParts <= 2 || z0 + j < count) {
+          if (z0 + j == 0)
+            total = v[j];
+          else
+            total.x += v[j].x, total.y += v[j].y, total.z += v[j].z, total.w += v[j].w;
+        }
+    }
+    return total;
+  }
+};
+
 // The epilogue of every warpgroup kernel: writes the block's [kRows x kTileW] output tile (alpha,
 // bias and residual applied), summing the partial tiles of a cluster that split K.
 // * Every block puts its fp32 accumulators into its own shared memory (`scratch`, free once the
@@ -298,6 +340,9 @@ __device__ __forceinline__ std::conditional_t<sizeof(T) == 4, uint4, uint2> pack
 // 0.98-1.04x (BENCHMARKS.md). Session 42 made the row loop lean where each lane's 4 outputs go
 // as one aligned vector (the common case; the general loop stays for the rest): 1.03-1.16x at
 // 4096 rows on the LLaMA projections (2:4, 2:8, 1:4), 1.05-1.09x for 4:8 on the expanding kernel.
+// Session 43 kept a row's partial-sum loads in flight together (PartialTiles) and arrives at the
+// closing cluster barrier without a release: 1.05-1.17x at 17-64 rows where K splits 4-8 ways,
+// 1.02-1.13x at 256-1024 rows on the small nmSPARSE shapes (2:4, 2:8), 1.03-1.08x for 4:8.
 // Accumulator i*4 + h*2 + e of a consumer thread holds weight row `row` (+ 8 for h = 1) of the
 // block, activation row 8i + 2q + e of its tile. Threads that hold no accumulators (`holds`
 // false) take part in the barriers and the stores.
@@ -343,26 +388,17 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
   auto vec_aligned = [](const T* ptr, int64_t stride) {
     return reinterpret_cast<uintptr_t>(ptr) % sizeof(Vec) == 0 && stride * sizeof(T) % sizeof(Vec) == 0;
   };
-  if (whole && vec_aligned(first.y, first.stride) && (p.residual == nullptr || vec_aligned(p.residual + w, p.nout))) {
-    // Every row's 4 outputs (and residuals) one aligned vector: shared-memory addresses and output
-    // offsets stepped, not recomputed, per row. Session 42 (H100, per-block clock stamps): the
-    // general loop below, its 64-bit index arithmetic, generic loads and per-row checks took 8.1-8.4
-    // us of a 256-row tile's 41 us at 4096 x 4096 x 4096 (2:4), about as long with its stores left
-    // out, and 2.5-4.3 us of 64- and 128-row tiles whose main loop ran 2-4 us (BENCHMARKS.md).
-    const uint32_t tile_at = smem_addr(tile) + static_cast<uint32_t>(col * 4);
+  const auto fast_rows = [&](const auto& parts) {
+    // Every row's 4 outputs (and residuals) one aligned vector: output offsets stepped, not
+    // recomputed, per row. Session 42 (H100, per-block clock stamps): the general loop below, then
+    // with 64-bit index arithmetic, generic loads and per-row checks, took 8.1-8.4 us of a 256-row
+    // tile's 41 us at 4096 x 4096 x 4096 (2:4), about as long with its stores left out, and 2.5-4.3
+    // us of 64- and 128-row tiles whose main loop ran 2-4 us (BENCHMARKS.md).
     const int64_t out_step = static_cast<int64_t>(r_step) * first.stride, res_step = static_cast<int64_t>(r_step) * p.nout;
     int64_t out_at = (r0 + r_begin) * first.stride, res_at = (r0 + r_begin) * p.nout + w;
 #pragma unroll 2
     for (int r = r_begin; r < r_end; r += r_step, out_at += out_step, res_at += res_step) {
-      const uint32_t at = tile_at + static_cast<uint32_t>(r * kPitch * 4);
-      // In rank order; this block's own partial sums from its shared memory, its peers' through
-      // distributed shared memory.
-      auto partial = [&](int z) { return z == rank ? ld_shared_f32x4(at) : ld_cluster_f32x4(at, z); };
-      float4 sum = partial(0);
-      for (int z = 1; z < splits; ++z) {
-        const float4 v = partial(z);
-        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-      }
+      const float4 sum = parts.sum(r * kPitch);
       float v[4] = {p.alpha * sum.x + bias[0], p.alpha * sum.y + bias[1], p.alpha * sum.z + bias[2],
                     p.alpha * sum.w + bias[3]};
       if (p.residual) {
@@ -374,18 +410,21 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
       }
       st_global_vec(first.y + out_at, pack4<T>(v));
     }
+  };
+  if (whole && vec_aligned(first.y, first.stride) && (p.residual == nullptr || vec_aligned(p.residual + w, p.nout))) {
+    // The split counts of wider tiles (one or two blocks) exactly, the rest with the unused
+    // blocks' loads predicated off.
+    if (splits == 1)
+      fast_rows(PartialTiles<1>(tile, col, splits));
+    else if (splits == 2)
+      fast_rows(PartialTiles<2>(tile, col, splits));
+    else
+      fast_rows(PartialTiles<kMostBlocks>(tile, col, splits));
   } else {
+    const PartialTiles<kMostBlocks> parts(tile, col, splits);
     for (int r = r_begin; r < r_end; r += r_step) {
       const int64_t out_row = r0 + r;
-      float4 sum;
-      for (int z = 0; z < splits; ++z) {  // in rank order, as the reduction before this one summed them
-        const float* from = z == rank ? tile : cg::this_cluster().map_shared_rank(tile, z);
-        const float4 v = *reinterpret_cast<const float4*>(from + r * kPitch + col);
-        if (z == 0)
-          sum = v;
-        else
-          sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-      }
+      const float4 sum = parts.sum(r * kPitch);
       const float v[4] = {sum.x, sum.y, sum.z, sum.w};
       T* dst = &first[out_row];
       if (whole && reinterpret_cast<uintptr_t>(dst) % sizeof(Vec) == 0) {
@@ -399,7 +438,10 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
       }
     }
   }
-  if (split) cg::this_cluster().sync();  // peers' shared memory must outlive the reads above
+  // Peers' shared memory must outlive the reads above. Every read's data is in registers by now
+  // (the stores consumed it), so this block's arrival needs no release, which went out as a
+  // GPU-wide fence (MEMBAR.ALL.GPU) that waited for this block's output stores to land.
+  if (split) asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;" ::: "memory");
 }
 
 // Calls launch(std::true_type{}) to start a grid of kRows-row activation tiles, `splits` blocks
