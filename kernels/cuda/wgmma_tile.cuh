@@ -368,10 +368,20 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
   const bool split = gridDim.z > 1;
   const int splits = static_cast<int>(gridDim.z);
   const int rank = split ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
-  if (split)
-    cg::this_cluster().sync();  // the partial tiles are written
-  else
-    __syncthreads();
+  // The partial tiles are written. Where K split, the peers read them after the cluster barrier,
+  // whose release (MEMBAR.ALL.GPU: ptxas's every form of a cluster-scope release) the first warp
+  // alone makes, after the block barrier has ordered every thread's writes before it; the other
+  // warps arrive relaxed. Session 43 (H100): 1.00-1.03x every warp releasing, at 17-256 rows on
+  // split calls; the release itself costs 0.35-0.61 us a call (a scratch build without it, timing
+  // only, BENCHMARKS.md).
+  __syncthreads();
+  if (split) {
+    if (threadIdx.x < 32)
+      asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    else
+      asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  }
   const int lane = threadIdx.x & 31, warp = static_cast<int>(threadIdx.x >> 5), warps = static_cast<int>(blockDim.x >> 5);
   const int col = 4 * lane;
   const int64_t w = w0 + col;
