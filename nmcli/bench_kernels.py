@@ -129,13 +129,15 @@ def path_for(m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, 
     return path if _kernels.cuda_path_supported(path, m, pattern.n, pattern.m, dtype, k, vector, copy) else None
 
 
-def workspace_for(torch, m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, copy: bool = False):
+def workspace_for(torch, m: int, k: int, n: int, pattern: NMPattern, dtype: str, path: str, copy: bool = False,
+                  kernels=None):
     """Device memory a call needs beside its tensors (a 2:4 copy the sparse tensor cores stage, from
-    `cuda_workspace_bytes`), or None: one buffer every call may reuse, as ORT's arena hands the
-    same block to consecutive calls."""
-    from . import _kernels
+    `cuda_workspace_bytes` of `kernels`, the installed build unless another is given), or None: one
+    buffer every call may reuse, as ORT's arena hands the same block to consecutive calls."""
+    if kernels is None:
+        from . import _kernels as kernels
 
-    need = _kernels.cuda_workspace_bytes(m, pattern.n, pattern.m, k, n, dtype, path=path, copy=copy)
+    need = kernels.cuda_workspace_bytes(m, pattern.n, pattern.m, k, n, dtype, path=path, copy=copy)
     return torch.empty(need, dtype=torch.uint8, device="cuda") if need else None
 
 

@@ -60,9 +60,8 @@ class Point:
         """Median microseconds per call of `module`'s kernel, with the workspace that build asks for
         (builds stage a 2:4 copy in it on different calls)."""
         dtype = str(self.dtype).removeprefix("torch.")
-        need = module.cuda_workspace_bytes(self.m, self.pattern.n, self.pattern.m, self.k, self.n, dtype, "none",
-                                           path=path)
-        workspace = torch.empty(need, dtype=torch.uint8, device="cuda") if need else None
+        workspace = bench_kernels.workspace_for(torch, self.m, self.k, self.n, self.pattern, dtype, path,
+                                                kernels=module)
         workspace_ptr = workspace.data_ptr() if workspace is not None else 0
 
         def launch():
