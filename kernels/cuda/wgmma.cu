@@ -216,7 +216,8 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kExpanders) / 32;
-  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW;
+  const sm90::RowTile rows = sm90::row_tile<kRows>(p);
   int begin, end;  // this block's steps
   sm90::split_steps<1>(p.groups * kM, begin, end);
   const bool tensor_offsets = sm90::offset_rows_aligned(p);
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
   if (producer) {
     if (lane == 0) maps.prefetch(tensor_offsets);
     auto activations = [&](int s, int t) {
-      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
+      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(rows.from), full(s));
     };
     // The offset words by tensor copy where their rows allow it (sm90::offset_rows_aligned), else
     // by the lanes with cp.async; either way kBoxWords a row from the 16-byte boundary at or before
@@ -259,7 +260,8 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
       sm90::copy_offset_words<L::kBoxWords>(p, stage_at(s) + static_cast<uint32_t>(L::kWords),
                                             box_start(t), w0, lane, full(s));
     };
-    auto bytes = [&](int) { return L::kTensorBytes + (tensor_offsets ? L::kWordBytes : 0u); };
+    const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
+    auto bytes = [&](int) { return tensor_bytes + (tensor_offsets ? L::kWordBytes : 0u); };
     sm90::produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
   } else if (!consumer) {
     const Scatter<kN, kM, kExpanders> scatter(threadIdx.x - kThreads);
@@ -317,7 +319,7 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
     sm90::fence_operands(acc);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
+  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif

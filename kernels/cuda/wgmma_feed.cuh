@@ -162,7 +162,8 @@ bool offsets_map(CUtensorMap* map, const PathParams<T>& p, int words) {
 // tensor copy (offsets_map), else copy_offset_words.
 template <typename F, int kRows, typename T>
 bool packed_maps(TileMaps* maps, const PathParams<T>& p) {
-  return tile_map(&maps->x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) &&
+  return tile_map(&maps->x, p.x, p.k, p.rows, p.k, kBK, activation_box_rows<kRows>(p.rows),
+                  CU_TENSOR_MAP_SWIZZLE_128B) &&
          tile_map(&maps->values, p.values, p.row_len, p.nout, p.row_len, F::kEntries, kTileW,
                   CU_TENSOR_MAP_SWIZZLE_NONE);
 }

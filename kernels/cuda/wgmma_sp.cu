@@ -204,7 +204,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   const bool consumer = warp < kThreads / 32;
   // A consumer thread's rows: g and g + 8 of its warp's 16, in the block's tile.
   const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
-  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW;
+  const sm90::RowTile rows = sm90::row_tile<kRows>(p);
   int begin, end;  // this block's steps
   sm90::split_steps<G>(p.groups * 4, begin, end);
   const bool tensor_offsets = offset_rows_aligned(p);  // else the producer's lanes copy them
@@ -237,7 +238,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       meta[j] = p.indices + (meta_ok[j] ? w * p.index_words : 0);
     }
     auto activations = [&](int s, int t) {
-      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
+      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(rows.from), full(s));
     };
     // Step t's offset words go to its group's place (SpLayout). Where rows of them may be tensor
     // tiles, the group's first step brings the whole group's in one box of kTileW rows; else each
@@ -267,7 +268,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       }
       sm90::cp_async_arrive(full(s));
     };
-    auto bytes = [&](int s) { return L::kTensorBytes + (tensor_offsets && s % G == 0 ? L::kGroupWordBytes : 0u); };
+    const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
+    auto bytes = [&](int s) { return tensor_bytes + (tensor_offsets && s % G == 0 ? L::kGroupWordBytes : 0u); };
     produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
   } else {
     // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
@@ -284,7 +286,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, r0, row, lane & 3);
+  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, row, lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -479,7 +481,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kRegroupThreads<kN, kRows>) / 32;
-  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW;
+  const sm90::RowTile rows = sm90::row_tile<kRows>(p);
   int begin, end;  // this block's steps
   sm90::split_steps<G>(p.groups * kM, begin, end);
 
@@ -500,7 +503,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   if (producer) {
     if (lane == 0) maps.prefetch(false);  // its offset words go by cp.async
     auto activations = [&](int s, int t) {
-      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(r0), full(s));
+      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(rows.from), full(s));
     };
     auto values = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
@@ -510,7 +513,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       sm90::copy_offset_words<F::kIndexWords>(p, stage_at(s) + static_cast<uint32_t>(L::kX + L::kA + F::kValues),
                                               F::first_word(t), w0, lane, full(s));
     };
-    auto bytes = [](int) { return L::kTensorBytes; };
+    const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
+    auto bytes = [&](int) { return tensor_bytes; };
     produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
   } else if (!consumer) {
     // Regrouping thread i writes the chunks and metadata words of consumer threads i,
@@ -541,7 +545,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, r0, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
+  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -556,7 +560,8 @@ constexpr auto with_sp_family = [](int n, int m, auto&& fn) {
 template <typename T, int kRows>
 cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int splits) {
   TileMaps maps{};
-  if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, kRows, CU_TENSOR_MAP_SWIZZLE_128B) ||
+  if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, sm90::activation_box_rows<kRows>(p.rows),
+                CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B) ||
       !offsets_map(&maps.offsets, p, SpLayout<kRows>::kGroup * kMetaWords))
     return cudaErrorInvalidValue;

@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_tf32_kernel(PathParams<floa
   }
   sm90::wgmma_wait<0>();
   sm90::fence_operands(acc);
-  sm90::finish_tile<float, kRows>(p, acc, smem, true, w0, r0, row, q);
+  sm90::finish_tile<float, kRows>(p, acc, smem, true, w0, sm90::RowTile{r0, 0}, row, q);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif

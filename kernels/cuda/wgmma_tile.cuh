@@ -237,6 +237,42 @@ __device__ __forceinline__ void split_steps(int64_t positions, int& begin, int& 
   end = static_cast<int>((static_cast<int64_t>(blockIdx.z) + 1) * groups / splits * kGroup);
 }
 
+// A block's activation rows: it reads kRows rows from `from` and writes them from `skip` rows in.
+// Its own tile's, except where the call's rows end inside the tile and fill at least one: that
+// last tile reads the kRows rows ending with them, overlapping the tile before, and writes only
+// its own. A tensor copy of rows past the end (zeros) made the tile slow: session 44 (H100, 2:4,
+// the same 3 x 86 blocks of 256-row tiles), 4096 x 11008 at 576 / 640 / 704 / 767 / 768 rows took
+// 122 / 112 / 96 / 81 / 81 us. With the overlap, against reading past the end: at 640 rows 1.30-1.41x
+// for 2:4 (4096 x 4096, 4096 x 11008, 14336 x 4096), on 4096 x 11008 at 600 rows 1.30x for 1:8 and
+// 1.09x for 4:8, on 4096 x 4096 at 300 rows 1.21x (2:4) and 1.54x (2:8), at 4000 rows 1.04-1.07x;
+// whole tiles level.
+struct RowTile {
+  int64_t from;
+  int skip;
+};
+template <int kRows, typename T>
+__device__ __forceinline__ RowTile row_tile(const PathParams<T>& p) {
+  const int64_t own = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int64_t from = p.rows >= kRows && own + kRows > p.rows ? p.rows - kRows : own;
+  return {from, static_cast<int>(own - from)};
+}
+
+// The rows of a step's activation copy (its tensor map's box): kRows, or where a call of at most
+// 48 rows has the smallest (64-row) tile, those rows rounded up to 8, so that the copy reads little
+// past the end either. The tile's other rows keep what the stage held before; they feed only the
+// accumulators of rows that are not written. Session 44 (H100, against 64 rows): 1.03-1.15x for
+// 2:4 at 17 rows, 1.02-1.05x for 2:8, 1.06x for 4:8, 1.02-1.04x at 40 rows. Wider tiles keep their
+// box: 2:8 at 100 rows (256-row tiles, a 104-row box) ran 0.96-0.97x, 2:4 on 128-row tiles 0.97-1.07x.
+template <int kRows>
+__host__ __device__ constexpr int activation_box_rows(int64_t rows) {
+  return kRows == kWgmmaMinRowTile && rows * 4 <= kRows * 3 ? static_cast<int>((rows + 7) / 8 * 8) : kRows;
+}
+// The bytes a step's activation copy falls short of kRows rows.
+template <int kRows, typename T>
+__device__ __forceinline__ uint32_t activation_shortfall(const PathParams<T>& p) {
+  return static_cast<uint32_t>(kRows - activation_box_rows<kRows>(p.rows)) * 128;
+}
+
 // One 8- or 16-byte store (a plain vector assignment went out as two 4-byte stores).
 __device__ __forceinline__ void st_global_vec(void* at, uint2 v) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(at), "r"(v.x), "r"(v.y) : "memory");
@@ -344,14 +380,16 @@ struct PartialTiles {
 // closing cluster barrier without a release: 1.05-1.17x at 17-64 rows where K splits 4-8 ways,
 // 1.02-1.13x at 256-1024 rows on the small nmSPARSE shapes (2:4, 2:8), 1.03-1.08x for 4:8.
 // Accumulator i*4 + h*2 + e of a consumer thread holds weight row `row` (+ 8 for h = 1) of the
-// block, activation row 8i + 2q + e of its tile. Threads that hold no accumulators (`holds`
-// false) take part in the barriers and the stores.
+// block, activation row 8i + 2q + e of its tile (`rows`: the kRows rows from rows.from, written from
+// rows.skip on). Threads that hold no accumulators (`holds` false) take part in the barriers and
+// the stores.
 template <int kRows>
 constexpr size_t kFinishBytes = static_cast<size_t>(kRows) * (kTileW + 4) * 4;
 
 template <typename T, int kRows>
 __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float (&acc)[kRows / 2], uint8_t* scratch,
-                                            bool holds, int64_t w0, int64_t r0, int row, int q) {
+                                            bool holds, int64_t w0, RowTile rows, int row, int q) {
+  const int64_t r0 = rows.from;
   constexpr int kPitch = kTileW + 4;
   namespace cg = cooperative_groups;
   float* tile = reinterpret_cast<float*>(scratch);
@@ -392,7 +430,7 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
   float bias[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) bias[j] = whole && p.bias ? to_f32(p.bias[w + j]) : 0.f;
-  const int r_begin = rank + splits * warp, r_step = splits * warps;
+  const int r_begin = rows.skip + rank + splits * warp, r_step = splits * warps;
   const int r_end = static_cast<int>(p.rows - r0 < kRows ? p.rows - r0 : kRows);
   using Vec = std::conditional_t<sizeof(T) == 4, uint4, uint2>;  // 4 outputs
   auto vec_aligned = [](const T* ptr, int64_t stride) {
