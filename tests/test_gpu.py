@@ -84,6 +84,10 @@ def paths_for(rows, pattern, dtype_name, k):
                                          (1, 60000, 40), (16, 9000, 70), (2, 512, 20001), (4, 4100, 9000),
                                          # wgmma: 64-, 128- and 256-row activation tiles, partial K steps
                                          (600, 4104, 130), (300, 136, 8000), (700, 264, 17000),
+                                         # on 132 SMs, 144 tiles of 256 rows: 132 unsplit, then the
+                                         # last wave's 12 split over clusters (launch_split), the last
+                                         # activation tile overlapping the one before (K: partial step)
+                                         (2300, 3000, 2000),
                                          # K split three ways over a cluster, the last block fewer steps
                                          (40, 1800, 520),
                                          # 5-8 ways (per family): 8 weight tiles, 7-way over 15 groups, 16 tiles

@@ -216,8 +216,9 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kExpanders) / 32;
-  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW;
-  const sm90::RowTile rows = sm90::row_tile<kRows>(p);
+  const sm90::BlockTile tile = sm90::block_tile<kRows>(p);
+  const int64_t w0 = tile.w0;
+  const sm90::RowTile rows = tile.rows;
   int begin, end;  // this block's steps
   sm90::split_steps<1>(p.groups * kM, begin, end);
   const bool tensor_offsets = sm90::offset_rows_aligned(p);
@@ -357,8 +358,8 @@ template <typename T>
 cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_family, [&](auto kN, auto kM) {
     const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
-    const auto launch = [&](auto rows, int splits) {
-      return launch_expanded<T, kN(), kM(), rows()>(p, stream, splits);
+    const auto launch = [&](auto rows, int splits, const PathParams<T>& tiles) {
+      return launch_expanded<T, kN(), kM(), rows()>(tiles, stream, splits);
     };
     return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, sm90::kSparseSplits, launch);
   });

@@ -204,8 +204,9 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   const bool consumer = warp < kThreads / 32;
   // A consumer thread's rows: g and g + 8 of its warp's 16, in the block's tile.
   const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
-  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW;
-  const sm90::RowTile rows = sm90::row_tile<kRows>(p);
+  const sm90::BlockTile tile = sm90::block_tile<kRows>(p);
+  const int64_t w0 = tile.w0;
+  const sm90::RowTile rows = tile.rows;
   int begin, end;  // this block's steps
   sm90::split_steps<G>(p.groups * 4, begin, end);
   const bool tensor_offsets = offset_rows_aligned(p);  // else the producer's lanes copy them
@@ -481,8 +482,9 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kRegroupThreads<kN, kRows>) / 32;
-  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW;
-  const sm90::RowTile rows = sm90::row_tile<kRows>(p);
+  const sm90::BlockTile tile = sm90::block_tile<kRows>(p);
+  const int64_t w0 = tile.w0;
+  const sm90::RowTile rows = tile.rows;
   int begin, end;  // this block's steps
   sm90::split_steps<G>(p.groups * kM, begin, end);
 
@@ -627,11 +629,11 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
     if constexpr (kN() != 2 || kM() != 4)
       if (const int split = two_per_sm_split<T, kN(), kM()>(p, steps); split > 0)
         return launch_regrouped<T, kN(), kM(), kTwoPerSmRows, 2>(p, stream, split);
-    const auto launch = [&](auto rows, int splits) {
+    const auto launch = [&](auto rows, int splits, const PathParams<T>& tiles) {
       if constexpr (kN() == 2 && kM() == 4)
-        return launch_two_of_four<T, rows()>(p, stream, splits);
+        return launch_two_of_four<T, rows()>(tiles, stream, splits);
       else
-        return launch_regrouped<T, kN(), kM(), rows()>(p, stream, splits);
+        return launch_regrouped<T, kN(), kM(), rows()>(tiles, stream, splits);
     };
     constexpr sm90::SplitRule splits = kN() == 2 && kM() == 4 ? sm90::kTwoOfFourSplits : sm90::kSparseSplits;
     return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, splits, launch);

@@ -196,7 +196,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_tf32_kernel(PathParams<floa
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
-  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTileW, r0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const sm90::BlockTile tile = sm90::block_tile<kRows, false>(p);  // ActivationLoader zero-fills past the rows
+  const int64_t w0 = tile.w0, r0 = tile.rows.from;
   const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2), q = lane & 3;  // this thread's A rows: row, row + 8
   int begin, end;  // this block's steps
   sm90::split_steps<1, kStep>(p.groups * kM, begin, end);
@@ -263,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_tf32_kernel(PathParams<floa
   }
   sm90::wgmma_wait<0>();
   sm90::fence_operands(acc);
-  sm90::finish_tile<float, kRows>(p, acc, smem, true, w0, sm90::RowTile{r0, 0}, row, q);
+  sm90::finish_tile<float, kRows>(p, acc, smem, true, w0, tile.rows, row, q);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -305,9 +306,10 @@ cudaError_t run_wgmma_tf32(PathParams<float> p, cudaStream_t stream) {
       return cudaErrorInvalidValue;
     } else {
       const int64_t steps = (p.groups * kM() + kStep - 1) / kStep;
-      auto launch = [&](auto rows, int splits) {
+      auto launch = [&](auto rows, int splits, const PathParams<float>& tiles) {
         using L = Tf32Layout<kN(), kM(), rows()>;
-        return sm90::launch_tiles<wgmma_tf32_kernel<kN(), kM(), rows()>, rows(), L::kBytes>(p, stream, splits, false);
+        return sm90::launch_tiles<wgmma_tf32_kernel<kN(), kM(), rows()>, rows(), L::kBytes>(tiles, stream, splits,
+                                                                                            false);
       };
       return sm90::launch_split<128, 64, 32>(p, steps, kTf32Tiles, kTf32Splits, launch);
     }

@@ -133,6 +133,9 @@ struct SplitRule {
   bool whole_sm;
   bool one_wave;
   double extra_steps_past_64_rows = -1;  // negative: extra_steps at every row count
+  // With whole_sm: also weigh grids of several waves whose last, partial wave's tiles are launched
+  // apart, split over clusters that all run at once (launch_split).
+  bool split_last_wave = false;
 };
 
 // The fp16/bf16 kernels' splits, up to 8 blocks (the portable cluster size), from sessions 33 and
@@ -153,7 +156,7 @@ struct SplitRule {
 // 86 tiles of 4096 x 11008 at 17-128 rows to 4-way splits in 3 waves, which ran 0.82-0.85x (2:8)
 // and 0.89-0.93x (4:8) of the unsplit grid (session 34, run J): it does not weigh a wave's fill and
 // drain. So splits must fit in one wave.
-constexpr SplitRule kSparseSplits{kMostBlocks, 0.5, false, true, true};
+constexpr SplitRule kSparseSplits{kMostBlocks, 0.5, false, true, true, -1, true};
 // Past 64 rows an extra 2:4 block costs 20 steps (session 42, H100: every width x split forced on
 // 1024 x 1024 to 14336 x 4096 at 17-4096 rows, 69 points, with the epilogue's row loop made lean;
 // scratch/fit42*.py, not kept): the partial tiles a split sums grow with the rows, and 128- and
@@ -162,7 +165,7 @@ constexpr SplitRule kSparseSplits{kMostBlocks, 0.5, false, true, true};
 // 1.38x: 2048 x 1024 x 1024 took 256-row tiles split two ways, 13.5 us against 9.7 for 128-row
 // tiles unsplit). Up to 64 rows 3.5 stays: there the fastest splits were as many as or more than
 // 3.5's (17-64 rows on 4096 x 1024: 8 ways, 1.08-1.11x its 4), which 20 would cut to 2.
-constexpr SplitRule kTwoOfFourSplits{kMostBlocks, 3.5, false, true, true, 20.0};
+constexpr SplitRule kTwoOfFourSplits{kMostBlocks, 3.5, false, true, true, 20.0, true};
 
 // A block with more than half of an SM's 228 KB of shared memory runs alone on its SM, and clusters
 // of such blocks must fit in one GPC: on the H100 (132 SMs) 66 clusters of 2 run at once, 39 of 3,
@@ -187,8 +190,18 @@ inline int64_t whole_sm_clusters(int split) {
 // smaller split), a wave being as many clusters as run at once. For the sparse kernels, against
 // "the widest tile that fills the GPU" (the rule before it): 1.4-2.1x at 512 rows with N = 4096,
 // 1.33-1.59x at 256 rows with N >= 11008, 1.2-1.36x at 1024 rows with N = 4096 (BENCHMARKS.md,
-// session 10). launch(std::integral_constant<int, kRows>, splits) starts the kernel; kWidths lists
-// the widths it compiles, which `tiles` must not go beyond.
+// session 10). launch(std::integral_constant<int, kRows>, splits, q) starts the kernel on the tiles
+// q names (PathParams::first_tile, tile_count); kWidths lists the widths it compiles, which `tiles`
+// must not go beyond.
+// With rule.split_last_wave, a grid of up to kMostWavesBeforeSplit whole waves and a partial one
+// may instead run its whole waves unsplit and then, in a second launch, its last wave's tiles split
+// over clusters that all run at once (estimated as the whole waves plus one split block's steps).
+// A partial wave costs far more than its share of blocks: 28 blocks of 2:4 256-row tiles after a
+// wave of 132 took 0.6 of that wave's time on 20480 x 5120 at 1024 rows. Session 44 (H100, against one launch): 1.15-1.27x
+// on 4096 x 11008 at 512 rows (2:4, 2:8, 1:4, 4:8), 1.24-1.56x on 20480 x 5120 at 1000 rows,
+// 1.13-1.45x on 5120 x 20480 at 256, 1.17-1.31x on 8192 x 8192 at 640, 1.03-1.09x on 4096 x 14336 at
+// 1000 (3 whole waves); after 5 and 10 whole waves (4096 x 11008 at 2048 and 4096 rows) 0.99-1.00x.
+constexpr int64_t kMostWavesBeforeSplit = 3;
 template <int... kWidths, typename T, size_t kCount, typename Launch>
 cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], SplitRule rule,
                          Launch&& launch) {
@@ -197,6 +210,7 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
   const double extra_steps =
       p.rows > 64 && rule.extra_steps_past_64_rows >= 0 ? rule.extra_steps_past_64_rows : rule.extra_steps;
   int best_rows = tiles[0].rows, best_split = 1;
+  int64_t best_body = 0;  // tiles launched unsplit before the split ones (split_last_wave), else 0
   double best = -1.0;
   // Clusters of each split that run at once (whole_sm), asked once per call: every width weighs
   // the same splits.
@@ -205,22 +219,43 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
     if (at_once[split] == 0) at_once[split] = whole_sm_clusters(split);
     return at_once[split];
   };
+  const int most_split = static_cast<int>(std::clamp<int64_t>(steps / 8, 1, most_blocks));
+  const auto split_steps = [&](int split) {
+    return static_cast<double>((steps + split - 1) / split) + extra_steps * (split - 1);
+  };
   for (const TileCost& tile : tiles) {
     const int64_t blocks = weight_tiles * ((p.rows + tile.rows - 1) / tile.rows);
     const bool may_split = rule.any_grid || blocks < sms;
-    const int most = may_split ? static_cast<int>(std::clamp<int64_t>(steps / 8, 1, most_blocks)) : 1;
-    for (int split = 1; split <= most; ++split) {
+    for (int split = 1; split <= (may_split ? most_split : 1); ++split) {
       if (rule.one_wave && split > 1 && blocks > clusters(split)) continue;
-      const double per_block = static_cast<double>((steps + split - 1) / split) + extra_steps * (split - 1);
       const double waves = rule.whole_sm ? std::ceil(static_cast<double>(blocks) / clusters(split))
                                          : std::ceil(static_cast<double>(blocks * split) / sms);
-      const double time = waves * per_block * tile.cost;
-      if (best < 0 || time < best) best = time, best_rows = tile.rows, best_split = split;
+      const double time = waves * split_steps(split) * tile.cost;
+      if (best < 0 || time < best) best = time, best_rows = tile.rows, best_split = split, best_body = 0;
+    }
+    // The whole waves unsplit, then the last wave's tiles split where their clusters run at once.
+    const int64_t wave = rule.whole_sm ? clusters(1) : sms;
+    const int64_t body = blocks / wave * wave, last = blocks - body;
+    if (!rule.split_last_wave || !rule.whole_sm || body == 0 || last == 0 || body > kMostWavesBeforeSplit * wave)
+      continue;
+    for (int split = 2; split <= most_split; ++split) {
+      if (last > clusters(split)) continue;
+      const double time = (static_cast<double>(body / wave * steps) + split_steps(split)) * tile.cost;
+      if (time < best) best = time, best_rows = tile.rows, best_split = split, best_body = body;
     }
   }
-  cudaError_t e = cudaErrorInvalidValue;
-  (void)((best_rows == kWidths && (e = launch(std::integral_constant<int, kWidths>{}, best_split), true)) || ...);
-  return e;
+  const auto run = [&](const PathParams<T>& q, int split) {
+    cudaError_t e = cudaErrorInvalidValue;
+    (void)((best_rows == kWidths && (e = launch(std::integral_constant<int, kWidths>{}, split, q), true)) || ...);
+    return e;
+  };
+  if (best_body == 0) return run(p, best_split);
+  PathParams<T> part = p;
+  part.tile_count = best_body;
+  if (cudaError_t e = run(part, 1); e != cudaSuccess) return e;
+  part.first_tile = best_body;
+  part.tile_count = weight_tiles * ((p.rows + best_rows - 1) / best_rows) - best_body;
+  return run(part, best_split);
 }
 
 // This block's steps [begin, end) over `positions` K positions (packed groups x M): steps of kStep
@@ -250,11 +285,22 @@ struct RowTile {
   int64_t from;
   int skip;
 };
-template <int kRows, typename T>
-__device__ __forceinline__ RowTile row_tile(const PathParams<T>& p) {
-  const int64_t own = static_cast<int64_t>(blockIdx.y) * kRows;
-  const int64_t from = p.rows >= kRows && own + kRows > p.rows ? p.rows - kRows : own;
-  return {from, static_cast<int>(own - from)};
+// The block's tile: its first weight row (output column) and its activation rows. Tile t of the
+// call is weight tile t % (weight tiles), activation tile t / (weight tiles); a grid runs tiles
+// from p.first_tile, its blocks in launch order (a 2-D grid: x the weight tile, y the activation
+// tile). kOverlapLast false: the last activation tile keeps its own rows (kernels whose copies
+// zero-fill rows past the end themselves).
+struct BlockTile {
+  int64_t w0;
+  RowTile rows;
+};
+template <int kRows, bool kOverlapLast = true, typename T>
+__device__ __forceinline__ BlockTile block_tile(const PathParams<T>& p) {
+  const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW;
+  const int64_t t = p.first_tile + static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t own = t / weight_tiles * kRows;
+  const int64_t from = kOverlapLast && p.rows >= kRows && own + kRows > p.rows ? p.rows - kRows : own;
+  return {t % weight_tiles * kTileW, {from, static_cast<int>(own - from)}};
 }
 
 // The rows of a step's activation copy (its tensor map's box): kRows, or where a call of at most
@@ -501,7 +547,8 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
 // alone was not measured there. Never early where the previous kernel wrote the weight.
 template <int kRows, int kPerSm = 1, typename T, typename Launch>
 cudaError_t launch_early_or_not(const PathParams<T>& p, int splits, Launch&& launch) {
-  const int64_t blocks = (p.nout + kTileW - 1) / kTileW * ((p.rows + kRows - 1) / kRows);
+  const int64_t blocks =
+      p.tile_count > 0 ? p.tile_count : (p.nout + kTileW - 1) / kTileW * ((p.rows + kRows - 1) / kRows);
   const bool early = use_pdl() && !p.weight_from_stream && (kPerSm == 2 || blocks <= whole_sm_clusters(splits));
   return early ? launch(std::true_type{}) : launch(std::false_type{});
 }
@@ -516,7 +563,9 @@ template <auto kKernel, int kRows, size_t kSmem, unsigned kBlockThreads = kThrea
 cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream, int splits, bool pdl, const Extra&... extra) {
   static_assert(kSmem <= 227 * 1024, "shared memory per block");
   if (cudaError_t e = allow_dynamic_smem<kKernel>(static_cast<int>(kSmem)); e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW), static_cast<unsigned>((p.rows + kRows - 1) / kRows));
+  const dim3 grid = p.tile_count > 0 ? dim3(static_cast<unsigned>(p.tile_count))
+                                      : dim3(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW),
+                                             static_cast<unsigned>((p.rows + kRows - 1) / kRows));
   if (splits == 1 && !pdl) {
     kKernel<<<grid, kBlockThreads, kSmem, stream>>>(p, extra...);
     return cudaGetLastError();
