@@ -25,9 +25,9 @@ struct PathParams {
   // The weight was written by the kernel before this one on the stream (a 2:4 copy the dispatch
   // staged): no programmatic-dependent start, whose blocks read their first weights before waiting.
   bool weight_from_stream = false;
-  // Warpgroup kernels: the grid runs tiles [first_tile, first_tile + tile_count) in the order weight
-  // tile, then activation tile (tile_count 0: all of them, on a 2-D grid). sm90::launch_split
-  // launches the tiles of a last partial wave apart, split over clusters.
+  // Warpgroup kernels: the grid runs tiles [first_tile, first_tile + tile_count), weight tile
+  // fastest (tile_count 0: all of them). sm90::launch_split launches the tiles of a last partial
+  // wave apart, split over clusters.
   int64_t first_tile = 0, tile_count = 0;
 };
 

@@ -184,6 +184,13 @@ inline int64_t whole_sm_clusters(int split) {
   return active_clusters<whole_sm_block>(split, kThreads, static_cast<int>(kWholeSmBytes));
 }
 
+// The tiles a launch with `rows`-row activation tiles runs: p.tile_count where set, else every tile
+// of the call (weight tiles x activation tiles).
+template <typename T>
+int64_t launched_tiles(const PathParams<T>& p, int rows) {
+  return p.tile_count > 0 ? p.tile_count : (p.nout + kTileW - 1) / kTileW * ((p.rows + rows - 1) / rows);
+}
+
 // The activation-tile width and K split of a call: the (width, split) with the least estimated
 // time, waves x (steps per block + the split's cost) x the step cost of that width (`tiles`,
 // widest first; ties go to the wider tile, which reads each weight tile fewer times, then to the
@@ -197,15 +204,16 @@ inline int64_t whole_sm_clusters(int split) {
 // may instead run its whole waves unsplit and then, in a second launch, its last wave's tiles split
 // over clusters that all run at once (estimated as the whole waves plus one split block's steps).
 // A partial wave costs far more than its share of blocks: 28 blocks of 2:4 256-row tiles after a
-// wave of 132 took 0.6 of that wave's time on 20480 x 5120 at 1024 rows. Session 44 (H100, against one launch): 1.15-1.27x
-// on 4096 x 11008 at 512 rows (2:4, 2:8, 1:4, 4:8), 1.24-1.56x on 20480 x 5120 at 1000 rows,
-// 1.13-1.45x on 5120 x 20480 at 256, 1.17-1.31x on 8192 x 8192 at 640, 1.03-1.09x on 4096 x 14336 at
-// 1000 (3 whole waves); after 5 and 10 whole waves (4096 x 11008 at 2048 and 4096 rows) 0.99-1.00x.
+// wave of 132 took 0.6 of that wave's time on 20480 x 5120 at 1024 rows. Session 44 (H100, against
+// one launch): 1.15-1.27x on 4096 x 11008 at 512 rows (2:4, 2:8, 1:4, 4:8), 1.24-1.56x on 20480 x
+// 5120 at 1000 rows, 1.13-1.45x on 5120 x 20480 at 256, 1.17-1.31x on 8192 x 8192 at 640,
+// 1.03-1.09x on 4096 x 14336 at 1000 (3 whole waves); after 5 and 10 whole waves (4096 x 11008 at
+// 2048 and 4096 rows) 0.99-1.00x.
 constexpr int64_t kMostWavesBeforeSplit = 3;
 template <int... kWidths, typename T, size_t kCount, typename Launch>
 cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], SplitRule rule,
                          Launch&& launch) {
-  const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, sms = multiprocessor_count();
+  const int64_t sms = multiprocessor_count();
   const int64_t most_blocks = std::min(rule.most, kMostBlocks);
   const double extra_steps =
       p.rows > 64 && rule.extra_steps_past_64_rows >= 0 ? rule.extra_steps_past_64_rows : rule.extra_steps;
@@ -224,7 +232,7 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
     return static_cast<double>((steps + split - 1) / split) + extra_steps * (split - 1);
   };
   for (const TileCost& tile : tiles) {
-    const int64_t blocks = weight_tiles * ((p.rows + tile.rows - 1) / tile.rows);
+    const int64_t blocks = launched_tiles(p, tile.rows);
     const bool may_split = rule.any_grid || blocks < sms;
     for (int split = 1; split <= (may_split ? most_split : 1); ++split) {
       if (rule.one_wave && split > 1 && blocks > clusters(split)) continue;
@@ -254,7 +262,7 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
   part.tile_count = best_body;
   if (cudaError_t e = run(part, 1); e != cudaSuccess) return e;
   part.first_tile = best_body;
-  part.tile_count = weight_tiles * ((p.rows + best_rows - 1) / best_rows) - best_body;
+  part.tile_count = launched_tiles(p, best_rows) - best_body;
   return run(part, best_split);
 }
 
@@ -286,10 +294,9 @@ struct RowTile {
   int skip;
 };
 // The block's tile: its first weight row (output column) and its activation rows. Tile t of the
-// call is weight tile t % (weight tiles), activation tile t / (weight tiles); a grid runs tiles
-// from p.first_tile, its blocks in launch order (a 2-D grid: x the weight tile, y the activation
-// tile). kOverlapLast false: the last activation tile keeps its own rows (kernels whose copies
-// zero-fill rows past the end themselves).
+// call is weight tile t % (weight tiles), activation tile t / (weight tiles); block x of a grid
+// (launch_tiles) runs tile p.first_tile + x. kOverlapLast false: the last activation tile keeps its
+// own rows (kernels whose copies zero-fill rows past the end themselves).
 struct BlockTile {
   int64_t w0;
   RowTile rows;
@@ -297,7 +304,7 @@ struct BlockTile {
 template <int kRows, bool kOverlapLast = true, typename T>
 __device__ __forceinline__ BlockTile block_tile(const PathParams<T>& p) {
   const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW;
-  const int64_t t = p.first_tile + static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t t = p.first_tile + blockIdx.x;
   const int64_t own = t / weight_tiles * kRows;
   const int64_t from = kOverlapLast && p.rows >= kRows && own + kRows > p.rows ? p.rows - kRows : own;
   return {t % weight_tiles * kTileW, {from, static_cast<int>(own - from)}};
@@ -547,25 +554,22 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
 // alone was not measured there. Never early where the previous kernel wrote the weight.
 template <int kRows, int kPerSm = 1, typename T, typename Launch>
 cudaError_t launch_early_or_not(const PathParams<T>& p, int splits, Launch&& launch) {
-  const int64_t blocks =
-      p.tile_count > 0 ? p.tile_count : (p.nout + kTileW - 1) / kTileW * ((p.rows + kRows - 1) / kRows);
+  const int64_t blocks = launched_tiles(p, kRows);
   const bool early = use_pdl() && !p.weight_from_stream && (kPerSm == 2 || blocks <= whole_sm_clusters(splits));
   return early ? launch(std::true_type{}) : launch(std::false_type{});
 }
 
 // Launches a warpgroup kernel with kRows-row activation tiles and kSmem bytes of dynamic shared
-// memory: weight tiles along x, activation tiles along y, and `splits` blocks of a cluster along
-// z splitting K (the kernel then calls split_steps and finish_tile). The kernel takes p and then
-// `extra` (kBlockThreads: the kThreads consumers plus any producer warps). `pdl`: as a
-// programmatic dependent launch (see launch_split_k), for kernels that wait for the previous one
-// themselves.
+// memory: the launched tiles (launched_tiles) along x, weight tile fastest (the kernel finds its
+// own with block_tile), and `splits` blocks of a cluster along z splitting K (the kernel then calls
+// split_steps and finish_tile). The kernel takes p and then `extra` (kBlockThreads: the kThreads
+// consumers plus any producer warps). `pdl`: as a programmatic dependent launch (see
+// launch_split_k), for kernels that wait for the previous one themselves.
 template <auto kKernel, int kRows, size_t kSmem, unsigned kBlockThreads = kThreads, typename T, typename... Extra>
 cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream, int splits, bool pdl, const Extra&... extra) {
   static_assert(kSmem <= 227 * 1024, "shared memory per block");
   if (cudaError_t e = allow_dynamic_smem<kKernel>(static_cast<int>(kSmem)); e != cudaSuccess) return e;
-  const dim3 grid = p.tile_count > 0 ? dim3(static_cast<unsigned>(p.tile_count))
-                                      : dim3(static_cast<unsigned>((p.nout + kTileW - 1) / kTileW),
-                                             static_cast<unsigned>((p.rows + kRows - 1) / kRows));
+  const dim3 grid(static_cast<unsigned>(launched_tiles(p, kRows)));
   if (splits == 1 && !pdl) {
     kKernel<<<grid, kBlockThreads, kSmem, stream>>>(p, extra...);
     return cudaGetLastError();
