@@ -143,8 +143,10 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     """The workspace a call needs on the sparse tensor cores (kernels/cuda/dispatch.cu): a 2:4
     copy of the weight (values, then offset words from a 256-byte boundary) for 1:4, 2:8 and 1:8
     from STAGED_COPY_FROM_ROWS rows and STAGED_COPY_MIN_OUTPUTS outputs, for the other patterns
-    that fit 2:4 at any row count, none
-    for 2:4 itself, for fp32 or for a call that carries a copy; after a gated call's activation."""
+    that fit 2:4 at any row count; below those, room for stream-K (a flag and a 128 KB slot of
+    partial sums per SM) where 1:4, 2:8 and 1:8 have more than 64 rows and fewer 256-row tiles than
+    SMs but more than half as many; none for 2:4 itself, for fp32 or for a call that carries a copy; after a gated call's
+    activation."""
     if not getattr(_kernels, "HAS_CUDA", False):
         pytest.skip("built without CUDA")
     from nmcli.format import NMPattern, PackedShape
@@ -156,9 +158,15 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     rows = _kernels.STAGED_COPY_FROM_ROWS
     assert rows == 1024
     space = functools.partial(_kernels.cuda_workspace_bytes, path="wgmma_sp")
+    stream_k = space(640, 2, 8, 11008, 4096, "float16")  # 96 tiles of 256 rows
+    sms = stream_k // (256 * 128 * 4)  # the device's, or the 132 assumed without one
+    assert sms > 96 and stream_k == -(-sms * 4 // 256) * 256 + sms * 256 * 128 * 4
+    assert space(64, 2, 8, 11008, 4096, "float16") == 0  # 64 rows: no stream-K
+    assert space(512, 2, 8, 11008, 4096, "float16") == 0  # 64 tiles: split over clusters
+    assert space(640, 2, 4, 11008, 4096, "float16") == 0  # the 2:4 kernel does not take it
     for n, m in ((1, 4), (2, 8), (1, 8)):
         assert space(rows, n, m, 4096, 4096, "float16") == copy_bytes(4096, 4096) == 4096 * (2048 * 2 + 128 * 4)
-        assert space(rows - 1, n, m, 4096, 4096, "float16") == 0
+        assert space(rows - 1, n, m, 4096, 16384, "float16") == 0  # 512 tiles: more than SMs
         assert space(rows, n, m, 4096, 4096, "float16", copy=True) == 0
         assert space(rows, n, m, 4096, 4096, "float32") == 0
     assert space(4096, 2, 4, 4096, 4096, "bfloat16") == 0
@@ -170,11 +178,14 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     assert space(rows, 2, 8, 4096, 2048, "float16") == 0
     assert space(2048, 2, 8, 4096, 2048, "float16") == copy_bytes(4096, 2048)
     assert space(3072, 1, 8, 4096, 1024, "bfloat16") == copy_bytes(4096, 1024)
-    assert space(3071, 1, 8, 4096, 1024, "bfloat16") == 0
+    assert space(3071, 1, 8, 4096, 1024, "bfloat16") == stream_k  # 96 tiles, unstaged
+    assert space(1000, 1, 8, 4096, 6144, "bfloat16") == 0  # 192 tiles, unstaged
     gated = 2000 * 100 * 2  # the activation A, then the copy from the next 256-byte boundary
     assert space(2000, 2, 8, 100, 1600, "float16", "silu") == -(-gated // 256) * 256 + copy_bytes(100, 1600)
     assert space(2000, 2, 8, 100, 1600, "float16", norm=True) == -(-gated // 256) * 256 + copy_bytes(100, 1600)
     assert _kernels.cuda_workspace_bytes(2000, 2, 8, 100, 1600, "float16", "silu", "mma") == gated
+    gated_640 = 640 * 11008 * 2  # ... or the stream-K room
+    assert space(640, 2, 8, 11008, 4096, "float16", "silu") == -(-gated_640 // 256) * 256 + stream_k
 
 
 def test_library_reports_cuda_when_built_with_nvcc():

@@ -154,9 +154,16 @@ PathParams<T> typed(const CudaMatMul& c) {
   return p;
 }
 
+// Where a stream-K launch of the sparse tensor cores keeps its flags and partial sums (null where
+// the call has no room for them).
+struct StreamKSpace {
+  uint32_t* flags = nullptr;
+  float* partials = nullptr;
+};
+
 // `staged`: the weight `c` reads is the 2:4 copy the call just wrote into its workspace.
 template <typename T>
-cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path, bool staged) {
+cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path, bool staged, StreamKSpace stream_k) {
   if (path == CudaPath::decode) {
     DecodeParamsT<T> p;
     static_cast<PathParams<T>&>(p) = typed<T>(c);
@@ -164,6 +171,8 @@ cudaError_t run(const CudaMatMul& c, cudaStream_t stream, CudaPath path, bool st
   }
   PathParams<T> p = typed<T>(c);
   p.weight_from_stream = staged;
+  p.flags = stream_k.flags;
+  p.partials = stream_k.partials;
   if (path == CudaPath::decode_mma) return run_decode_mma<T>(p, stream);  // so does this one
   if (forms_activation(c)) {  // the other paths copy X as it is: write A out first
     T* a = static_cast<T*>(c.workspace);
@@ -226,6 +235,28 @@ size_t activation_bytes(const CudaMatMul& c, CudaPath path) {
   return static_cast<size_t>(c.rows * c.shape.k) * dtype_bytes(c.dtype);
 }
 size_t staged_copy_offset(const CudaMatMul& c) { return (activation_bytes(c, CudaPath::wgmma_sp) + 255) / 256 * 256; }
+
+// Workspace bytes for stream-K (wgmma_feed.cuh, stream_k: a flag and a slot of partial sums per
+// SM) in the regrouping kernel, where the call's 256-row activation tiles are fewer than the SMs
+// and more than half as many (launch_split weighs it only where they are more than the clusters of
+// 2 that run at once, at most half the SMs: without the room it weighs the rest), and where they
+// start: after A.
+size_t stream_k_bytes(const CudaMatMul& c, CudaPath path) {
+  if (path != CudaPath::wgmma_sp || c.dtype == DType::f32 || c.rows <= kWgmmaMinRowTile) return 0;
+  if (!regrouped_in_kernel(c.shape.n, c.shape.m) || has_copy(c) || stages_copy(c)) return 0;
+  const int64_t sms = multiprocessor_count();
+  const int64_t weight_tiles = (c.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
+  const int64_t tiles = weight_tiles * ((c.rows + kStreamKRows - 1) / kStreamKRows);
+  if (tiles >= sms || 2 * tiles <= sms) return 0;
+  return static_cast<size_t>((sms * 4 + 255) / 256 * 256 + sms * kStreamKSlotFloats * 4);
+}
+size_t stream_k_offset(const CudaMatMul& c) { return (activation_bytes(c, CudaPath::wgmma_sp) + 255) / 256 * 256; }
+StreamKSpace stream_k_space(const CudaMatMul& c, CudaPath path) {
+  if (c.workspace == nullptr || stream_k_bytes(c, path) == 0) return {};
+  uint8_t* at = static_cast<uint8_t*>(c.workspace) + stream_k_offset(c);
+  const size_t flag_bytes = (static_cast<size_t>(multiprocessor_count()) * 4 + 255) / 256 * 256;
+  return {reinterpret_cast<uint32_t*>(at), reinterpret_cast<float*>(at + flag_bytes)};
+}
 
 // Where a call that stages its 2:4 copy keeps it in its workspace (nowhere yet where there is no
 // workspace, as when only the path is being chosen).
@@ -456,6 +487,7 @@ size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path) {
   if (call.rows == 0 || call.shape.nout == 0) return 0;
   if (path == CudaPath::automatic) path = choose_path(call);
   if (path == CudaPath::wgmma_sp && stages_copy(call)) return staged_copy_offset(call) + two_of_four_copy_bytes(call.shape);
+  if (const size_t stream_k = stream_k_bytes(call, path); stream_k > 0) return stream_k_offset(call) + stream_k;
   return activation_bytes(call, path);
 }
 
@@ -474,10 +506,11 @@ int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
     const int e = two_of_four_copy_cuda(call.values, call.indices, call.shape, staged_copy(call), stream_ptr);
     if (e != 0) return e;
   }
+  const StreamKSpace stream_k = stream_k_space(call, path);
   switch (call.dtype) {
-    case DType::f32: return run<float>(used, stream, path, staged);
-    case DType::f16: return run<__half>(used, stream, path, staged);
-    case DType::bf16: return run<__nv_bfloat16>(used, stream, path, staged);
+    case DType::f32: return run<float>(used, stream, path, staged, stream_k);
+    case DType::f16: return run<__half>(used, stream, path, staged, stream_k);
+    case DType::bf16: return run<__nv_bfloat16>(used, stream, path, staged, stream_k);
   }
   return cudaErrorInvalidValue;
 }

@@ -29,7 +29,20 @@ struct PathParams {
   // fastest (tile_count 0: all of them). sm90::launch_split launches the tiles of a last partial
   // wave apart, split over clusters.
   int64_t first_tile = 0, tile_count = 0;
+  // Stream-K (sm90::stream_k): where stream_k_blocks > 0, the grid's blocks take equal runs of the
+  // call's steps across its tiles, hand the partial sums of a tile they do not finish to the block
+  // that does through `partials` (kStreamKSlotFloats per block) and mark them ready in `flags`
+  // (one word per block, zeroed before the launch). Both in the call's workspace, null elsewhere.
+  float* partials = nullptr;
+  uint32_t* flags = nullptr;
+  int64_t stream_k_blocks = 0;
 };
+
+// The activation tile stream-K runs on (256 rows: narrower ones never came out ahead in its cost
+// model, against 256-row tiles split over clusters) and a block's slot of partial sums, that
+// tile's fp32 accumulators.
+constexpr int kStreamKRows = 256;
+constexpr int64_t kStreamKSlotFloats = int64_t{kStreamKRows} * 128;
 
 template <typename T>
 struct DecodeParamsT : PathParams<T> {

@@ -2,8 +2,9 @@
 // and A = X or silu(X) * X_up (kernels/fusion.h). Type-erased so the ORT op and the pybind
 // module share one dispatch; all pointers are device pointers, the call is asynchronous on
 // `stream` and allocates nothing (a gated call on a path other than decode gates X into the
-// caller's `workspace` first, and large calls on the sparse tensor cores write a 2:4 copy of the
-// weight there: nm_matmul_cuda_workspace_bytes).
+// caller's `workspace` first, large calls on the sparse tensor cores write a 2:4 copy of the
+// weight there, and calls of the regrouping kernel with fewer tiles than SMs keep stream-K's flags
+// and partial sums there: nm_matmul_cuda_workspace_bytes).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -62,8 +63,10 @@ const char* path_name(CudaPath path);
 bool path_from_name(const char* name, CudaPath* path);
 
 // Device memory the call needs in `workspace` on `path` (0 for most calls: gated or normalised
-// calls on paths other than decode write A there first, and calls that stage a 2:4 copy of their
-// weight for the sparse tensor cores write it there, after A).
+// calls on paths other than decode write A there first, calls that stage a 2:4 copy of their
+// weight for the sparse tensor cores write it there, after A, and unstaged 1:4, 2:8 and 1:8 calls
+// on the sparse tensor cores with fewer 256-row tiles than SMs, but more than half as many, keep a
+// flag and a 128 KB slot of partial sums per SM there for stream-K, after A: 17.3 MB on 132 SMs).
 size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path = CudaPath::automatic);
 
 // Returns a cudaError_t as int (0 = success) so callers need no CUDA headers.

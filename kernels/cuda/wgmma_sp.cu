@@ -48,6 +48,12 @@ using sm90::TileMaps;
 constexpr int kStored = kBK / 2;        // stored values per weight row per step
 constexpr int kMetaWords = kBK / 32;    // offset words per weight row per step (one per MMA)
 
+template <int kCount>
+__device__ __forceinline__ void zero(float (&acc)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) acc[i] = 0.f;
+}
+
 // A 2:4 step in shared memory: the activation tile [kRows x 64] (128-byte swizzle) and the stored
 // values [128 x 32] (64-byte swizzle); a ring of kStages steps, then the offset words, kMeta bytes
 // per stage: a group of kGroup steps starting at stage s keeps its words from s * kMeta on, row r's
@@ -127,11 +133,14 @@ __device__ __forceinline__ void release_steps(uint32_t empty, int lane) {
 // 128-4096 rows on 17 of 18 points, BENCHMARKS.md). ptxas also serializes (C7518) when a wait
 // sits under a branch, hence the first group outside the loop.
 template <typename L, int kRows, bool kBf16, typename ReadStep>
-__device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int end, uint32_t ring, uint32_t empty0,
-                                        int wg, int lane, ReadStep&& read_step) {
-  constexpr int S = L::kStages, G = L::kGroup, H = G / 2;
+__device__ __forceinline__ sm90::RingSlot<L::kStages> consume(float (&acc)[kRows / 2], int begin, int end,
+                                                              uint32_t ring, uint32_t empty0, int wg, int lane,
+                                                              ReadStep&& read_step,
+                                                              sm90::RingSlot<L::kStages> group = {}) {
+  constexpr int G = L::kGroup, H = G / 2;
   static_assert(G % 2 == 0, "groups of two halves");
-  sm90::RingSlot<S> group;  // the group's first stage: groups never wrap around the ring (S is a multiple of G)
+  // `group`: the group's first stage (step begin's: the ring's start unless stream_k's earlier
+  // steps left it elsewhere). Groups never wrap around the ring (S is a multiple of G).
   uint32_t meta[2][H][kMetaWords];
   auto start = [&](uint32_t (&m)[H][kMetaWords], int half) {  // reads a half's metadata, issues its MMAs
 #pragma unroll
@@ -144,7 +153,7 @@ __device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int 
     release_steps<H>(empty0 + stage * 8, lane);
   };
   using One = std::integral_constant<int, 1>;
-  if (begin >= end) return;  // never while a cluster has no more blocks than groups (split_steps); no hang
+  if (begin >= end) return group;  // never while a cluster has no more blocks than groups (split_steps); no hang
   start(meta[0], 0);
   start(meta[1], 1);
   retire(group.slot, One{});
@@ -159,6 +168,7 @@ __device__ __forceinline__ void consume(float (&acc)[kRows / 2], int begin, int 
     group.template advance<G>();
   }
   retire(last, std::integral_constant<int, 0>{});
+  return group;
 }
 
 // Groups whose offsets read (0, 0) -- padding past the stored entries, rows past the end --
@@ -461,7 +471,7 @@ struct RegroupLayout {
 // barrier per group of steps; this kernel is 1.06-1.25x that one at 256-4096 rows, 0.92-1.10x at
 // 17-64 (BENCHMARKS.md, session 18). Regrouping inside the multiplying warpgroups instead ran
 // 0.78-0.90x (session 17).
-template <typename T, int kN, int kM, int kRows, bool kEarly, int kPerSm>
+template <typename T, int kN, int kM, int kRows, bool kEarly, int kPerSm, bool kStreamK = false>
 __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProducerThreads, kPerSm)
     wgmma_regroup_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -482,11 +492,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kRegroupThreads<kN, kRows>) / 32;
-  const sm90::BlockTile tile = sm90::block_tile<kRows>(p);
-  const int64_t w0 = tile.w0;
-  const sm90::RowTile rows = tile.rows;
-  int begin, end;  // this block's steps
-  sm90::split_steps<G>(p.groups * kM, begin, end);
+  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);  // a consumer thread's first weight row
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
@@ -501,11 +507,12 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   if constexpr (kEarly) allow_next_kernel();  // the next kernel's blocks may take idle SMs and copy their weights
 
   float acc[kRows / 2];  // set and used by the consumers only: the other roles keep no registers for it
-
-  if (producer) {
+  // The producer warp's copies of a tile's steps [begin, end), step begin into stage `from`.
+  auto produce_steps = [&](const sm90::BlockTile& tile, int begin, int end, sm90::RingSlot<S> from) {
+    const int64_t w0 = tile.w0;
     if (lane == 0) maps.prefetch(false);  // its offset words go by cp.async
     auto activations = [&](int s, int t) {
-      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(rows.from), full(s));
+      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(tile.rows.from), full(s));
     };
     auto values = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
@@ -517,12 +524,12 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     };
     const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
     auto bytes = [&](int) { return tensor_bytes; };
-    produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
-  } else if (!consumer) {
-    // Regrouping thread i writes the chunks and metadata words of consumer threads i,
-    // i + kRegroupThreads, ... (regroup_share), where those threads read them.
+    return produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets, from);
+  };
+  // Regrouping thread i writes the chunks and metadata words of consumer threads i,
+  // i + kRegroupThreads, ... (regroup_share), where those threads read them.
+  auto regroup_steps = [&](int begin, int end, sm90::RingSlot<S> stage) {
     const int i = threadIdx.x - kThreads;
-    sm90::RingSlot<S> stage;
     for (int t = begin; t < end; ++t) {
       const int s = stage.slot;
       sm90::mbarrier_wait(full(s), stage.phase);
@@ -532,9 +539,11 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       sm90::mbarrier_arrive(ready(s));
       stage.advance();
     }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
+    return stage;
+  };
+  // The consumers' MMAs of steps [begin, end) into acc (from zero), step begin in stage `from`.
+  auto consume_steps = [&](int begin, int end, sm90::RingSlot<S> from) {
+    zero(acc);
     sm90::fence_operands(acc);
     // This thread's metadata word for MMA k of a step: chunk 2k + (lane & 1) of its quad's rows.
     const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
@@ -544,10 +553,25 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
 #pragma unroll
       for (int k = 0; k < kMetaWords; ++k) m[k] = meta(group_stage + g)[meta_reader + 2 * k];
     };
-    consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
+    return consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step, from);
+  };
+
+  if constexpr (kStreamK) {
+    sm90::stream_k<T, kRows, G, S>(p, p.groups * kM, acc, smem, consumer, producer, row, lane & 3, produce_steps,
+                                   consume_steps, regroup_steps);
+  } else {
+    int begin, end;  // this block's steps
+    sm90::split_steps<G>(p.groups * kM, begin, end);
+    const sm90::BlockTile tile = sm90::block_tile<kRows>(p);
+    if (producer)
+      produce_steps(tile, begin, end, {});
+    else if (consumer)
+      consume_steps(begin, end, {});
+    else
+      regroup_steps(begin, end, {});
+    if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
+    sm90::finish_tile<T, kRows>(p, acc, smem, consumer, tile.w0, tile.rows, row, lane & 3);
   }
-  if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -582,6 +606,14 @@ cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int sp
   if (!sm90::packed_maps<F, kRows>(&maps, p)) return cudaErrorInvalidValue;
   constexpr size_t kSmem = RegroupLayout<kN, kM, kRows, kPerSm>::kBytes;
   constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
+  if (p.stream_k_blocks > 0) {
+    if constexpr (kRows == kStreamKRows && kPerSm == 1) {
+      if (cudaError_t e = sm90::clear_stream_k_flags(p, stream); e != cudaSuccess) return e;
+      return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, false, 1, true>, kRows, kSmem, kBlock>(
+          p, stream, 1, false, maps);
+    }
+    return cudaErrorInvalidValue;
+  }
   return sm90::launch_early_or_not<kRows, kPerSm>(p, splits, [&](auto early) {
     return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, early(), kPerSm>, kRows, kSmem, kBlock>(
         p, stream, splits, early(), maps);
@@ -616,6 +648,22 @@ int two_per_sm_split(const PathParams<T>& p, int64_t steps) {
   return 0;
 }
 
+// The regrouping kernel's splits: the expanding kernel's (kSparseSplits), and stream-K where a
+// grid of 256-row tiles leaves SMs idle and a split over clusters does not fit in one wave. Session
+// 45 (BENCHMARKS.md), against one tile per block: 96 tiles (640 and 768 rows, N = 4096) on the
+// H100 1.13-1.15x on K = 11008 (172 steps a tile) and 1.17-1.19x on K = 14336 (224), for 2:8, 1:8
+// and 1:4; on the H200 0.98x on K = 4096 (64 steps), as for 86 tiles of 4096 x 11008 at 256 rows on
+// the H100. Its time came to 1.08x an SM's share of the steps (every SM at work) plus 15-16 steps;
+// 20 keeps it off the K = 4096 calls. The 2:4 kernel, whose steps copy about as many bytes in 0.6x
+// the time, lost (0.73-0.96x at 300-768 rows on the same shapes, H200): with every SM at work its
+// steps took up to 1.25x as long (per-block clock stamps), and the handover took the rest.
+constexpr sm90::SplitRule kRegroupSplits = [] {
+  sm90::SplitRule rule = sm90::kSparseSplits;
+  rule.stream_k_steps = 20.0;
+  rule.stream_k_step_cost = 1.08;
+  return rule;
+}();
+
 }  // namespace
 
 bool wgmma_sp_family(int n, int m) {
@@ -635,7 +683,7 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
       else
         return launch_regrouped<T, kN(), kM(), rows()>(tiles, stream, splits);
     };
-    constexpr sm90::SplitRule splits = kN() == 2 && kM() == 4 ? sm90::kTwoOfFourSplits : sm90::kSparseSplits;
+    constexpr sm90::SplitRule splits = kN() == 2 && kM() == 4 ? sm90::kTwoOfFourSplits : kRegroupSplits;
     return sm90::launch_split<256, 128, 64>(p, steps, sm90::kSparseTiles, splits, launch);
   });
 }

@@ -136,6 +136,12 @@ struct SplitRule {
   // With whole_sm: also weigh grids of several waves whose last, partial wave's tiles are launched
   // apart, split over clusters that all run at once (launch_split).
   bool split_last_wave = false;
+  // With whole_sm: also weigh stream-K (wgmma_feed.cuh, stream_k) for grids of kStreamKRows-row
+  // tiles with more tiles than clusters of 2 run at once but fewer than SMs, where the call has a
+  // workspace for it: every SM's share of the steps, each costing stream_k_step_cost steps (all
+  // SMs at work draw more bytes at once), plus stream_k_steps for the handover (negative: never).
+  double stream_k_steps = -1;
+  double stream_k_step_cost = 1;
 };
 
 // The fp16/bf16 kernels' splits, up to 8 blocks (the portable cluster size), from sessions 33 and
@@ -219,6 +225,7 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
       p.rows > 64 && rule.extra_steps_past_64_rows >= 0 ? rule.extra_steps_past_64_rows : rule.extra_steps;
   int best_rows = tiles[0].rows, best_split = 1;
   int64_t best_body = 0;  // tiles launched unsplit before the split ones (split_last_wave), else 0
+  bool best_stream_k = false;
   double best = -1.0;
   // Clusters of each split that run at once (whole_sm), asked once per call: every width weighs
   // the same splits.
@@ -239,7 +246,15 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
       const double waves = rule.whole_sm ? std::ceil(static_cast<double>(blocks) / clusters(split))
                                          : std::ceil(static_cast<double>(blocks * split) / sms);
       const double time = waves * split_steps(split) * tile.cost;
-      if (best < 0 || time < best) best = time, best_rows = tile.rows, best_split = split, best_body = 0;
+      if (best < 0 || time < best)
+        best = time, best_rows = tile.rows, best_split = split, best_body = 0, best_stream_k = false;
+    }
+    // Stream-K: every SM takes an equal share of the tiles' steps, plus the handover.
+    if (rule.whole_sm && rule.stream_k_steps >= 0 && p.partials != nullptr && tile.rows == kStreamKRows &&
+        blocks < sms && blocks > clusters(2)) {
+      const double share = std::ceil(static_cast<double>(blocks * steps) / sms);
+      const double time = (share * rule.stream_k_step_cost + rule.stream_k_steps) * tile.cost;
+      if (time < best) best = time, best_rows = tile.rows, best_split = 1, best_body = 0, best_stream_k = true;
     }
     // The whole waves unsplit, then the last wave's tiles split where their clusters run at once.
     const int64_t wave = rule.whole_sm ? clusters(1) : sms;
@@ -249,7 +264,7 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
     for (int split = 2; split <= most_split; ++split) {
       if (last > clusters(split)) continue;
       const double time = (static_cast<double>(body / wave * steps) + split_steps(split)) * tile.cost;
-      if (time < best) best = time, best_rows = tile.rows, best_split = split, best_body = body;
+      if (time < best) best = time, best_rows = tile.rows, best_split = split, best_body = body, best_stream_k = false;
     }
   }
   const auto run = [&](const PathParams<T>& q, int split) {
@@ -257,8 +272,12 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
     (void)((best_rows == kWidths && (e = launch(std::integral_constant<int, kWidths>{}, split, q), true)) || ...);
     return e;
   };
-  if (best_body == 0) return run(p, best_split);
   PathParams<T> part = p;
+  if (best_stream_k) {
+    part.stream_k_blocks = sms;
+    return run(part, 1);
+  }
+  if (best_body == 0) return run(p, best_split);
   part.tile_count = best_body;
   if (cudaError_t e = run(part, 1); e != cudaSuccess) return e;
   part.first_tile = best_body;
@@ -302,12 +321,15 @@ struct BlockTile {
   RowTile rows;
 };
 template <int kRows, bool kOverlapLast = true, typename T>
-__device__ __forceinline__ BlockTile block_tile(const PathParams<T>& p) {
+__device__ __forceinline__ BlockTile tile_at(const PathParams<T>& p, int64_t t) {
   const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW;
-  const int64_t t = p.first_tile + blockIdx.x;
   const int64_t own = t / weight_tiles * kRows;
   const int64_t from = kOverlapLast && p.rows >= kRows && own + kRows > p.rows ? p.rows - kRows : own;
   return {t % weight_tiles * kTileW, {from, static_cast<int>(own - from)}};
+}
+template <int kRows, bool kOverlapLast = true, typename T>
+__device__ __forceinline__ BlockTile block_tile(const PathParams<T>& p) {
+  return tile_at<kRows, kOverlapLast>(p, p.first_tile + blockIdx.x);
 }
 
 // The rows of a step's activation copy (its tensor map's box): kRows, or where a call of at most
@@ -545,6 +567,12 @@ __device__ __forceinline__ void finish_tile(const PathParams<T>& p, const float 
   if (split) asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;" ::: "memory");
 }
 
+// Zeroes a stream-K launch's flags (one per block) on the stream, before the launch.
+template <typename T>
+cudaError_t clear_stream_k_flags(const PathParams<T>& p, cudaStream_t stream) {
+  return cudaMemsetAsync(p.flags, 0, static_cast<size_t>(p.stream_k_blocks) * sizeof(uint32_t), stream);
+}
+
 // Calls launch(std::true_type{}) to start a grid of kRows-row activation tiles, `splits` blocks
 // per tile, as a programmatic dependent, launch(std::false_type{}) to start it as before. Early
 // where PDL is on and the grid fits on the GPU at once (one block per SM; grids of kPerSm = 2
@@ -569,7 +597,7 @@ template <auto kKernel, int kRows, size_t kSmem, unsigned kBlockThreads = kThrea
 cudaError_t launch_tiles(const PathParams<T>& p, cudaStream_t stream, int splits, bool pdl, const Extra&... extra) {
   static_assert(kSmem <= 227 * 1024, "shared memory per block");
   if (cudaError_t e = allow_dynamic_smem<kKernel>(static_cast<int>(kSmem)); e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>(launched_tiles(p, kRows)));
+  const dim3 grid(static_cast<unsigned>(p.stream_k_blocks > 0 ? p.stream_k_blocks : launched_tiles(p, kRows)));
   if (splits == 1 && !pdl) {
     kKernel<<<grid, kBlockThreads, kSmem, stream>>>(p, extra...);
     return cudaGetLastError();
