@@ -249,9 +249,10 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
       if (best < 0 || time < best)
         best = time, best_rows = tile.rows, best_split = split, best_body = 0, best_stream_k = false;
     }
-    // Stream-K: every SM takes an equal share of the tiles' steps, plus the handover.
+    // Stream-K: every SM takes an equal share of the tiles' steps, plus the handover. At least 8
+    // steps a block: a block with none would hand over nothing that the block after it waits for.
     if (rule.whole_sm && rule.stream_k_steps >= 0 && p.partials != nullptr && tile.rows == kStreamKRows &&
-        blocks < sms && blocks > clusters(2)) {
+        blocks < sms && blocks > clusters(2) && blocks * steps >= 8 * sms) {
       const double share = std::ceil(static_cast<double>(blocks * steps) / sms);
       const double time = (share * rule.stream_k_step_cost + rule.stream_k_steps) * tile.cost;
       if (time < best) best = time, best_rows = tile.rows, best_split = 1, best_body = 0, best_stream_k = true;
