@@ -470,7 +470,9 @@ struct RegroupLayout {
 // barrier. Until session 18 every thread copied, regrouped and multiplied in turn with a block
 // barrier per group of steps; this kernel is 1.06-1.25x that one at 256-4096 rows, 0.92-1.10x at
 // 17-64 (BENCHMARKS.md, session 18). Regrouping inside the multiplying warpgroups instead ran
-// 0.78-0.90x (session 17).
+// 0.78-0.90x (session 17). Each role's work on a tile's steps is one callable, so that the block
+// runs either its own tile (or a cluster's share of it) or, with kStreamK, a stream-K run of steps
+// over two tiles (sm90::stream_k, kRegroupSplits).
 template <typename T, int kN, int kM, int kRows, bool kEarly, int kPerSm, bool kStreamK = false>
 __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProducerThreads, kPerSm)
     wgmma_regroup_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps) {
