@@ -228,19 +228,22 @@ bool stages_copy(const CudaMatMul& c) {
   return c.rows >= kStagedCopyFromRows && c.rows * c.shape.nout >= kStagedCopyMinOutputs;
 }
 
-// Workspace bytes of a call's activation A (gated or normalised calls off the decode paths), and
-// where a staged 2:4 copy starts after it.
+// Workspace bytes of a call's activation A (gated or normalised calls off the decode paths).
 size_t activation_bytes(const CudaMatMul& c, CudaPath path) {
   if (!forms_activation(c) || path == CudaPath::decode || path == CudaPath::decode_mma) return 0;  // they stage A themselves
   return static_cast<size_t>(c.rows * c.shape.k) * dtype_bytes(c.dtype);
 }
-size_t staged_copy_offset(const CudaMatMul& c) { return (activation_bytes(c, CudaPath::wgmma_sp) + 255) / 256 * 256; }
+// Where a staged 2:4 copy or stream-K's flags and partial sums start in the workspace (a call has
+// at most one of them): after A, on a 256-byte boundary.
+size_t after_activation(const CudaMatMul& c) { return (activation_bytes(c, CudaPath::wgmma_sp) + 255) / 256 * 256; }
 
 // Workspace bytes for stream-K (wgmma_feed.cuh, stream_k: a flag and a slot of partial sums per
 // SM) in the regrouping kernel, where the call's 256-row activation tiles are fewer than the SMs
 // and more than half as many (launch_split weighs it only where they are more than the clusters of
 // 2 that run at once, at most half the SMs: without the room it weighs the rest), and where they
-// start: after A.
+// start: after A (after_activation). The flags, one word per SM, fill whole 256 bytes before the
+// partial sums.
+size_t stream_k_flag_bytes() { return (static_cast<size_t>(multiprocessor_count()) * 4 + 255) / 256 * 256; }
 size_t stream_k_bytes(const CudaMatMul& c, CudaPath path) {
   if (path != CudaPath::wgmma_sp || c.dtype == DType::f32 || c.rows <= kWgmmaMinRowTile) return 0;
   if (!regrouped_in_kernel(c.shape.n, c.shape.m) || has_copy(c) || stages_copy(c)) return 0;
@@ -248,21 +251,19 @@ size_t stream_k_bytes(const CudaMatMul& c, CudaPath path) {
   const int64_t weight_tiles = (c.shape.nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;
   const int64_t tiles = weight_tiles * ((c.rows + kStreamKRows - 1) / kStreamKRows);
   if (tiles >= sms || 2 * tiles <= sms) return 0;
-  return static_cast<size_t>((sms * 4 + 255) / 256 * 256 + sms * kStreamKSlotFloats * 4);
+  return stream_k_flag_bytes() + static_cast<size_t>(sms * kStreamKSlotFloats * 4);
 }
-size_t stream_k_offset(const CudaMatMul& c) { return (activation_bytes(c, CudaPath::wgmma_sp) + 255) / 256 * 256; }
 StreamKSpace stream_k_space(const CudaMatMul& c, CudaPath path) {
   if (c.workspace == nullptr || stream_k_bytes(c, path) == 0) return {};
-  uint8_t* at = static_cast<uint8_t*>(c.workspace) + stream_k_offset(c);
-  const size_t flag_bytes = (static_cast<size_t>(multiprocessor_count()) * 4 + 255) / 256 * 256;
-  return {reinterpret_cast<uint32_t*>(at), reinterpret_cast<float*>(at + flag_bytes)};
+  uint8_t* at = static_cast<uint8_t*>(c.workspace) + after_activation(c);
+  return {reinterpret_cast<uint32_t*>(at), reinterpret_cast<float*>(at + stream_k_flag_bytes())};
 }
 
 // Where a call that stages its 2:4 copy keeps it in its workspace (nowhere yet where there is no
 // workspace, as when only the path is being chosen).
 TwoOfFourCopy staged_copy(const CudaMatMul& c) {
   if (c.workspace == nullptr) return {};
-  return two_of_four_copy_parts(static_cast<uint8_t*>(c.workspace) + staged_copy_offset(c), c.shape);
+  return two_of_four_copy_parts(static_cast<uint8_t*>(c.workspace) + after_activation(c), c.shape);
 }
 
 // The call as the sparse tensor cores read it: its 2:4 copy in place of the weight, where it
@@ -486,8 +487,8 @@ bool path_from_name(const char* name, CudaPath* path) {
 size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path) {
   if (call.rows == 0 || call.shape.nout == 0) return 0;
   if (path == CudaPath::automatic) path = choose_path(call);
-  if (path == CudaPath::wgmma_sp && stages_copy(call)) return staged_copy_offset(call) + two_of_four_copy_bytes(call.shape);
-  if (const size_t stream_k = stream_k_bytes(call, path); stream_k > 0) return stream_k_offset(call) + stream_k;
+  if (path == CudaPath::wgmma_sp && stages_copy(call)) return after_activation(call) + two_of_four_copy_bytes(call.shape);
+  if (const size_t stream_k = stream_k_bytes(call, path); stream_k > 0) return after_activation(call) + stream_k;
   return activation_bytes(call, path);
 }
 

@@ -152,12 +152,6 @@ __device__ __forceinline__ void acquire_flag(const uint32_t* flag) {
 constexpr int kHandoverBarrier = 1;  // named barrier: the consumers arrive, the producer warp waits
 constexpr int kHandoverThreads = kThreads + kProducerThreads;
 
-// A third role that stream_k runs no steps for.
-template <int S>
-struct NoSteps {
-  __device__ __forceinline__ RingSlot<S> operator()(int, int, RingSlot<S> from) const { return from; }
-};
-
 template <typename T, int kRows, int kGroup, int S, typename Produce, typename Consume, typename Other>
 __device__ __forceinline__ void stream_k(const PathParams<T>& p, int64_t positions, float (&acc)[kRows / 2],
                                          uint8_t* scratch, bool consumer, bool producer, int row, int q,

@@ -48,12 +48,6 @@ using sm90::TileMaps;
 constexpr int kStored = kBK / 2;        // stored values per weight row per step
 constexpr int kMetaWords = kBK / 32;    // offset words per weight row per step (one per MMA)
 
-template <int kCount>
-__device__ __forceinline__ void zero(float (&acc)[kCount]) {
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) acc[i] = 0.f;
-}
-
 // A 2:4 step in shared memory: the activation tile [kRows x 64] (128-byte swizzle) and the stored
 // values [128 x 32] (64-byte swizzle); a ring of kStages steps, then the offset words, kMeta bytes
 // per stage: a group of kGroup steps starting at stage s keeps its words from s * kMeta on, row r's
@@ -545,7 +539,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   };
   // The consumers' MMAs of steps [begin, end) into acc (from zero), step begin in stage `from`.
   auto consume_steps = [&](int begin, int end, sm90::RingSlot<S> from) {
-    zero(acc);
+#pragma unroll
+    for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
     sm90::fence_operands(acc);
     // This thread's metadata word for MMA k of a step: chunk 2k + (lane & 1) of its quad's rows.
     const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
