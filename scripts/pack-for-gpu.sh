@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds nmcli's extension here for the GPU machine's Python and packs the `nmcli` package (without
-# the ORT op library) into one xz archive to carry there, so a kernel change costs no build time on
+# the ORT op library unless NMCLI_PACK_OPS=1) into one xz archive to carry there, so a kernel change costs no build time on
 # the lent GPU (BENCHMARKS.md, session 42: 15 MB, where a build there took 100-165 s of device
 # time). PYTHON must be that Python's version (3.12 on the GPU image) with scikit-build-core,
 # pybind11, cmake and ninja installed; the tree's build/<tag> folder keeps rebuilds incremental.
@@ -19,6 +19,7 @@ trap 'rm -rf "$WORK"' EXIT
 PATH="$(dirname "$PYTHON"):$PATH" "$PYTHON" -m pip wheel -q --no-build-isolation --no-deps . -w "$WORK/wheel"
 mkdir -p "$WORK/tree" "$(dirname "$ARCHIVE")"
 "$PYTHON" -m zipfile -e "$WORK"/wheel/nmcli-*.whl "$WORK/tree"
-rm -rf "$WORK/tree/nmcli/_lib"  # the ORT op library: kernel measurements do not load it
+# the ORT op library: kernel measurements do not load it, the ORT tests do (about 2x the archive)
+[ "${NMCLI_PACK_OPS:-0}" = 1 ] || rm -rf "$WORK/tree/nmcli/_lib"
 tar -C "$WORK/tree" -cf - nmcli | xz -3 -T0 > "$ARCHIVE"
 ls -l "$ARCHIVE"

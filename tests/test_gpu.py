@@ -105,7 +105,7 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
         assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
 
 
-@pytest.mark.parametrize("n,m", [(1, 4), (2, 4), (1, 8), (2, 8)])
+@pytest.mark.parametrize("n,m", [(1, 4), (2, 4), (1, 8), (2, 8), (4, 8), (4, 16)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(1, 64, 16), (2, 1000, 1000), (4, 136, 4100), (7, 4104, 130), (8, 2048, 4097),
                                          (9, 1024, 33), (13, 4096, 1030), (16, 3000, 257), (16, 4096, 4096),
@@ -116,8 +116,9 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
                                          # sums (2 blocks), two full batches and a partial one (4)
                                          (8, 11008, 4100), (16, 14336, 8200)])
 def test_decode_mma_matches_reference(rng, n, m, dtype_name, rows, k, nout):
-    """The decode-sized tensor-core path (decode_mma.cu): 8- and 16-row kernels, fewer K steps than
-    warps (K = 64), steps not a multiple of the block's 8 warps, Nout not a multiple of its 16-column
+    """The decode-sized tensor-core path (decode_mma.cu), one or two entries in groups of 4 or 8 and
+    four in groups of 8 or 16 (each entry keying its own selector): 8- and 16-row kernels, fewer K
+    steps than warps (K = 64), steps not a multiple of the block's 8 warps, Nout not a multiple of its 16-column
     tile, K split over clusters of 2-8 blocks where the activations of all of K do not fit one
     block's shared memory (the splits in the comment follow decode_mma.cu's Layout), clusters that
     sum their tiles in batches (on an H100 or H200, about 30 clusters of 4 walk 513 tiles: 8 + 8 +

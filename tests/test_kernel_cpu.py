@@ -222,7 +222,25 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert not _kernels.cuda_path_supported("decode_mma", 16, 1, 8, "float16", 36872)
     assert _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 80896) == tc
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 80904)
-    assert not _kernels.cuda_path_supported("decode_mma", 8, 4, 8, "float16", 4096)  # N/M = 1/2: not compiled
+    assert not _kernels.cuda_path_supported("decode_mma", 8, 8, 16, "float16", 4096)  # 8 entries a group: not compiled
+    # 4:8 and 4:16 (four entries a group): from 2 and 3 rows up to 1024 wide, from 5 up to 16384
+    # (4:8) and 4096 (4:16) wide, else from 9.
+    assert _kernels.cuda_path_supported("decode_mma", 16, 4, 16, "bfloat16", 4744) == tc
+    assert _kernels.cuda_path(2, 4, 8, 4096, 1024, "float16") == dm
+    assert _kernels.cuda_path(1, 4, 8, 4096, 1024, "float16") == "decode"
+    assert _kernels.cuda_path(3, 4, 16, 4096, 1024, "bfloat16") == dm
+    assert _kernels.cuda_path(2, 4, 16, 4096, 1024, "float16") == "decode"
+    assert _kernels.cuda_path(5, 4, 16, 4096, 4096, "float16") == dm
+    assert _kernels.cuda_path(4, 4, 16, 4096, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(8, 4, 16, 4096, 11008, "float16") == "decode"
+    assert _kernels.cuda_path(9, 4, 16, 4096, 11008, "float16") == ("decode_mma" if tc else "decode")
+    assert _kernels.cuda_path(5, 4, 8, 4096, 14336, "bfloat16") == dm
+    assert _kernels.cuda_path(8, 4, 8, 4096, 28672, "float16") == "decode"
+    assert _kernels.cuda_path(9, 4, 8, 4096, 28672, "float16") == ("decode_mma" if tc else "mma")
+    assert _kernels.cuda_path(16, 4, 8, 14336, 4096, "float16") == ("decode_mma" if tc else "mma")
+    assert _kernels.cuda_path(5, 4, 8, 14336, 4096, "float16") == dm  # decode: several K chunks
+    assert _kernels.cuda_path(8, 4, 8, 11008, 4096, "float16") == "decode"  # one chunk, decode_mma splits K
+    assert _kernels.cuda_path(9, 4, 8, 11008, 4096, "float16") == ("decode_mma" if tc else "mma")
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float32", 4096)
     assert _kernels.cuda_path(1, 2, 8, 4096, 1024, "float16") == "decode"
     assert _kernels.cuda_path(2, 2, 8, 4096, 1024, "float16") == dm
@@ -280,7 +298,8 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(12, 1, 4, 14336, 4096, "float16") == ("decode_mma" if tc else sp)
     assert _kernels.cuda_path(16, 2, 4, 14336, 4096, "float16") == sp
     assert _kernels.cuda_path(16, 2, 8, 11008, 896, "float16") == ("decode_mma" if tc else "mma")  # 7 weight tiles
-    assert _kernels.cuda_path(16, 4, 16, 14336, 4096, "float16") == "mma"  # the expanding kernel from 17 rows
+    # 4:16 to 16 rows on decode_mma (from 9 on 14336 x 4096, K split), the expanding kernel from 17
+    assert _kernels.cuda_path(16, 4, 16, 14336, 4096, "float16") == ("decode_mma" if tc else "mma")
     # From 17 rows 2:4, 1:4, 2:8 and 1:8 take the sparse tensor cores with 8 weight tiles or 16 blocks.
     assert _kernels.cuda_path(17, 2, 8, 4096, 4096, "float16") == sp
     assert _kernels.cuda_path(127, 1, 8, 4096, 4096, "bfloat16") == sp

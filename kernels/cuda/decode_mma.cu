@@ -1,5 +1,6 @@
 // Decode-sized calls (1..16 activation rows) on the tensor cores, fp16/bf16, for the families with
-// one or two entries in groups of 4 or 8 (1:4, 2:4, 1:8, 2:8).
+// one or two entries in groups of 4 or 8 (1:4, 2:4, 1:8, 2:8) and four in groups of 8 or 16 (4:8,
+// 4:16).
 //
 // Why: the SIMT decode kernel multiplies every stored entry by every row in fp32, after one
 // 16-to-32-bit conversion per entry and row; from 3-5 rows on that, not the bytes, sets its time
@@ -17,7 +18,10 @@
 //    selector looked up in a per-lane table (one shared-memory word per lane and key,
 //    lane-strided, so the 32 lookups of a warp never share a bank). With one entry a group one
 //    key covers both pairs of a column. The key's byte offset into the table comes from the offset
-//    string in one shift and one LOP3.
+//    string in one shift and one LOP3. With four entries a group the values fill two words: each
+//    entry (its offset and its half of the word) keys its own selector, a word's two are ORed,
+//    and so are the two words' PRMTs (a position holds at most one entry; a 16-bit field as one
+//    key would need a table of 65536 keys).
 //  * Each warp owns 16 output columns and a share of K: a block's 8 warps split a column tile's K
 //    steps and sum their partial tiles through shared memory. The block walks column tiles
 //    blockIdx.x, + gridDim.x, ... (one block per SM) and stages the activations once: each warp
@@ -80,32 +84,38 @@ struct Family {
   static constexpr int kPositions = kStepEntries * kM / kN;  // K positions a step covers
   static constexpr int kSlabs = kPositions / 16;             // MMAs of 16 positions per step
   // A lane's two words of a column and slab (positions 2q, 2q+1 and 2q+8, 2q+9) lie kApart
-  // groups apart. With one entry a group the fields of both groups and any between them, 6 bits,
-  // key one table lookup that gives both words' selectors; with two, each group's 4- or 6-bit
-  // field keys its own.
+  // groups apart (none with groups of 16). With one entry a group the fields of both groups and
+  // any between them, 6 bits, key one table lookup that gives both words' selectors; with two,
+  // each group's 4- or 6-bit field keys its own; with four, each entry's offset and which half of
+  // its value word it sits in (kBits + 1 bits) key its own (a key per pair, 2 x kBits bits, would
+  // need a 32 KB table for groups of 16, leaving the activations of K = 4096 no room at 16 rows).
   static constexpr int kApart = 8 / kM;
-  static constexpr int kKeyBits = kN == 1 ? (kApart + 1) * kFieldBits : kFieldBits;
+  static constexpr int kKeyBits = kN == 1 ? (kApart + 1) * kFieldBits : kN == 2 ? kFieldBits : kBits + 1;
   static constexpr int kKeys = 1 << kKeyBits;
-  static_assert((kN == 1 || kN == 2) && (kM == 4 || kM == 8), "groups of 4 or 8 with one or two entries");
+  static_assert(((kN == 1 || kN == 2) && (kM == 4 || kM == 8)) || (kN == 4 && (kM == 8 || kM == 16)),
+                "groups of 4 or 8 with one or two entries, or of 8 or 16 with four");
 };
 
 // The selectors of lane `lane` for table key `key`: bits 0-15 build the lane's word at slab
-// positions 2q, 2q+1, bits 16-31 the one at 2q+8, 2q+9 (for two entries a group both halves are
-// the same, as both words sit at the same place in their groups). PRMT(0, V, selector), which
-// reads the selector's low 16 bits, with V the 32-bit word holding the group's values: nibbles
-// 4/5 take V's low half, 6/7 its high half, 0 a zero byte.
+// positions 2q, 2q+1, bits 16-31 the one at 2q+8, 2q+9 (for two entries a group, or four in
+// groups of 8, both halves are the same, as both words sit at the same place in their groups).
+// PRMT(0, V, selector), which reads the selector's low 16 bits, with V the 32-bit word holding the
+// group's values (with four entries, the entry's): nibbles 4/5 take V's low half, 6/7 its high
+// half, 0 a zero byte.
 template <int kN, int kM>
 __host__ __device__ constexpr uint32_t selectors(int key, int lane) {
   using F = Family<kN, kM>;
   const int q = lane & 3;
+  constexpr int kKeyed = kN == 4 ? 1 : kN;  // entries a key names
   uint32_t both = 0;
   for (int w = 0; w < 2; ++w) {
     const int field = kN == 1 ? (key >> (w * F::kApart * F::kFieldBits)) & ((1 << F::kFieldBits) - 1) : key;
     const int position = 2 * q + 8 * w, group = position / kM, t = position % kM;
     uint32_t selector = 0;
-    for (int e = 0; e < kN; ++e) {
+    for (int e = 0; e < kKeyed; ++e) {
       const int offset = (field >> (e * F::kBits)) & ((1 << F::kBits) - 1);
-      const int half = kN == 2 ? e : (group & 1);  // which half of V holds entry e
+      // which half of V holds entry e (with four entries a group, the key's top bit says)
+      const int half = kN == 1 ? (group & 1) : kN == 2 ? e : key >> F::kBits;
       const uint32_t code = static_cast<uint32_t>((4 + 2 * half) | (5 + 2 * half) << 4);
       if (offset == t) selector |= code;
       if (offset == t + 1) selector |= code << 8;
@@ -435,6 +445,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   // compile-time positions below.
   const int lane_group = kM == 4 ? q >> 1 : 0;
   const uint32_t lane_bytes = static_cast<uint32_t>(lane) * 4;
+  // Four entries a group: the keys of a value word's high half follow its low half's.
+  [[maybe_unused]] const uint32_t odd_bytes = lane_bytes + (1u << (F::kBits + 7));
   const unsigned char* table = smem;
   auto lookup = [&](uint32_t offset) { return *reinterpret_cast<const uint32_t*>(table + offset); };
   // ldmatrix row addresses of the activations (the MMA's B, K x rows): lanes 0-7 rows 0-7 at +0,
@@ -476,7 +488,37 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
       uint32_t a[4];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if constexpr (kN == 1) {
+        if constexpr (kN == 4) {
+          // Entries 4G .. 4G + 3 of the step are group G's: word 2G holds the first two, 2G + 1
+          // the last two. Each entry's offset keys its own selector; a word's two entries' are
+          // ORed (a position holds at most one entry). Groups of 16: the slab's one group gives
+          // both of the lane's words (the selectors' halves); groups of 8: word w is group
+          // 2 * slab + w's.
+          auto group_selectors = [&](auto group_constant, uint32_t& low, uint32_t& high) {
+            constexpr int kGroup = decltype(group_constant)::value;
+            uint32_t entry[4];
+            unrolled<4>([&](auto e_constant) {
+              constexpr int e = decltype(e_constant)::value;
+              const uint32_t lane_key = e & 1 ? odd_bytes : lane_bytes;
+              entry[e] = lookup(key_offset<(4 * kGroup + e) * F::kBits, F::kBits>(offsets[h], lane_key));
+            });
+            low = entry[0] | entry[1], high = entry[2] | entry[3];
+          };
+          if constexpr (kM == 16) {
+            uint32_t low, high;
+            group_selectors(Int<slab>{}, low, high);
+            a[h] = prmt(0u, values[h][2 * slab], low) | prmt(0u, values[h][2 * slab + 1], high);
+            a[2 + h] = prmt(0u, values[h][2 * slab], low >> 16) | prmt(0u, values[h][2 * slab + 1], high >> 16);
+          } else {
+            unrolled<2>([&](auto w_constant) {
+              constexpr int kGroup = 2 * slab + decltype(w_constant)::value;
+              uint32_t low, high;
+              group_selectors(Int<kGroup>{}, low, high);
+              a[2 * decltype(w_constant)::value + h] =
+                  prmt(0u, values[h][2 * kGroup], low) | prmt(0u, values[h][2 * kGroup + 1], high);
+            });
+          }
+        } else if constexpr (kN == 1) {
           // Entry G of the step is group G's; word G / 2 holds it, in the half the selector picks.
           constexpr int kGroup = slab * (16 / kM);  // the first word's group, less lane_group
           const uint32_t selector = lookup(key_offset<kGroup * F::kFieldBits, F::kKeyBits>(offsets[h], lane_bytes));
@@ -652,6 +694,8 @@ auto with_kernel(int64_t rows, int n, int m, F&& f, Otherwise otherwise) {
       case 2 * 64 + 4: return f(r, Int<2>{}, Int<4>{});
       case 1 * 64 + 8: return f(r, Int<1>{}, Int<8>{});
       case 2 * 64 + 8: return f(r, Int<2>{}, Int<8>{});
+      case 4 * 64 + 8: return f(r, Int<4>{}, Int<8>{});
+      case 4 * 64 + 16: return f(r, Int<4>{}, Int<16>{});
       default: return otherwise;
     }
   };

@@ -32,6 +32,12 @@
 //    1.03-1.05x at 3-4 rows there), and 2:4 takes the sparse tensor cores from 3 rows (session 37:
 //    against the rule before, 1.07-1.97x at 3-16 rows on 11008 and 14336 x 4096 where the choice
 //    changed).
+//  * 4:8 and 4:16 (fp16/bf16, same K limits) on decode_mma (session 46, H100, ab_kernels --path
+//    decode|decode_mma|mma at 1-16 rows on eight shapes, 4096 x 1024 to 4096 x 28672): at 12-16
+//    rows 1.55-2.96x the faster of decode and mma everywhere; at 5-8 rows 0.97-2.14x decode up to
+//    16384 wide for 4:8 and 4096 wide for 4:16, 0.82-1.02x wider (4:16 on 4096 x 11008 to 28672,
+//    4:8 on 28672); at 1-4 rows decode ran 1.15-2.1x faster, except on 4096 x 1024, where
+//    decode_mma won from 2 rows (4:8) and 3 (4:16).
 //  * 2:4 at 5..8 rows where decode_mma does not take it: the sparse tensor cores where their grid
 //    is as wide as from 9 rows (session 35: 1.25-2.46x decode at 5-8 rows, ab_kernels run D).
 //  * Otherwise 1..8 rows: the decode path.
@@ -405,7 +411,9 @@ CudaPath choose_path(const CudaMatMul& call) {
   // The decode-sized tensor-core kernel for 2:4, 1:4, 2:8 and 1:8 on outputs up to 1024 wide from
   // 1 row (groups of 4) or 2 (groups of 8), else from 3 for groups of 4 and, for groups of 8, from
   // 3 up to 16384 wide, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read
-  // a 2:4 copy on the sparse tensor cores from 9 rows. Where its K does not fit (K past
+  // a 2:4 copy on the sparse tensor cores from 9 rows. For 4:8 and 4:16 from 2 and 3 rows up to
+  // 1024 wide, from 5 up to 16384 (4:8) and 4096 (4:16) wide, else, or where it splits K while
+  // decode stages K in one chunk, from 9. Where its K does not fit (K past
   // 36864-39424 at 9..16 rows, 79872-84480 at 1..8), 2:4 at 5-8 rows takes the sparse tensor cores
   // and the rest decode. Where it splits K over a cluster (K past one block's shared memory, as in
   // the down projections), groups of 8 start at 5 rows while decode stages K in one chunk (session
@@ -420,9 +428,15 @@ CudaPath choose_path(const CudaMatMul& call) {
   int64_t decode_mma_from = nout <= kDecodeMmaNarrowestNout ? (groups_of_4 ? 1 : 2)
                             : groups_of_4 || nout <= kDecodeMmaMidNout ? 3
                                                                        : kDecodeMmaFromRows;
-  if (decode_mma_splits && !groups_of_4 && decode_single_chunk(call))
-    decode_mma_from = std::max(decode_mma_from, kDecodeMmaFromRows);
-  // (path_supported limits it to the four families decode_mma.cu compiles.)
+  if (call.shape.n == 4) {  // 4:8, 4:16: building the fragment costs more (session 46)
+    const int64_t mid_nout = call.shape.m == 8 ? kDecodeMmaFourMidNout8 : kDecodeMmaFourMidNout16;
+    decode_mma_from = nout <= kDecodeMmaNarrowestNout ? (call.shape.m == 8 ? 2 : 3)
+                      : nout <= mid_nout             ? kDecodeMmaFromRows
+                                                     : kDecodeMmaCrossover + 1;
+  }
+  if (decode_mma_splits && !groups_of_4 && decode_single_chunk(call))  // 4:8 on 11008 x 4096: 0.97-0.99x at 5-8 rows
+    decode_mma_from = std::max(decode_mma_from, call.shape.n == 4 ? kDecodeMmaCrossover + 1 : kDecodeMmaFromRows);
+  // (path_supported limits it to the six families decode_mma.cu compiles.)
   const bool decode_mma_takes = call.rows >= decode_mma_from &&
                                 !(call.rows > kDecodeMmaCrossover && (two_of_four || has_copy(call))) &&
                                 path_supported(call, CudaPath::decode_mma);
