@@ -227,3 +227,49 @@ def default_shapes(include_nmsparse=True, include_llama=True, rows=None) -> list
 
 def as_dicts(rows: list[KernelRow]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+def _cells_by_point(rows: list[dict]) -> tuple[list[str], dict[tuple[int, int, int], dict[str, dict]]]:
+    """The N:M patterns in the order they first appear, and each (k, n, m) point's rows by pattern."""
+    patterns, points = [], {}
+    for row in rows:
+        if row["nm"] not in patterns:
+            patterns.append(row["nm"])
+        points.setdefault((row["k"], row["n"], row["m"]), {})[row["nm"]] = row
+    return patterns, points
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """`nmcli bench kernels --json` rows as one markdown table (BENCHMARKS.md's): a line per shape
+    and row count, cuBLAS's time (the median of the patterns' cuBLAS runs), and per pattern our
+    time, the speedup over cuBLAS, at 1..16 rows the share of the copy bandwidth, and the path."""
+    patterns, points = _cells_by_point(rows)
+    lines = ["| K x N | rows | cuBLAS us | " + " | ".join(patterns) + " |",
+             "|:--|--:|--:|" + "--:|" * len(patterns)]
+    for (k, n, m), by_pattern in points.items():
+        cublas_us = statistics.median(r["cublas_ms"] for r in by_pattern.values()) * 1e3
+        cells = []
+        for nm in patterns:
+            r = by_pattern.get(nm)
+            if r is None:
+                cells.append("")
+                continue
+            bandwidth = f" {r['pct_copy_bw']:.0f}%" if m <= DECODE_MS[-1] else ""
+            cells.append(f"{r['ours_ms'] * 1e3:.1f} us {r['speedup']:.2f}x{bandwidth} {r['path']}")
+        lines.append(f"| {k} x {n} | {m} | {cublas_us:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def speedup_ranges(rows: list[dict]) -> str:
+    """The speedup over cuBLAS per row count and pattern as the range over the shapes (README's
+    table), one markdown line per row count."""
+    patterns, points = _cells_by_point(rows)
+    ranges: dict[tuple[int, str], list[float]] = {}
+    for (_, _, m), by_pattern in points.items():
+        for nm, r in by_pattern.items():
+            ranges.setdefault((m, nm), []).append(r["speedup"])
+    lines = ["| rows | " + " | ".join(patterns) + " |", "|--:|" + "--:|" * len(patterns)]
+    for m in sorted({m for (m, _) in ranges}):
+        cells = [f"{min(v):.2f}-{max(v):.2f}x" if (v := ranges.get((m, nm))) else "" for nm in patterns]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,6 +1,10 @@
 """`nmcli bench MODEL` and `nmcli demo` on the CPU: the report's structure and JSON (numbers are
-not asserted), generated inputs in valid ranges, and one clear line for every bad input."""
+not asserted), generated inputs in valid ranges, and one clear line for every bad input; the
+markdown tables made from `nmcli bench kernels --json`."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -164,3 +168,35 @@ def test_cuda_graph_flag_on_cpu_warns_and_runs(model_file, tmp_path):
     assert "--cuda-graph applies to the CUDA EP only" in result.stderr
     report = json.loads(result.stdout)
     assert report["cuda_graph"] is False and report["settings"][0]["sparse"]["p50_ms"] > 0
+
+
+def _kernel_row(m, k, n, nm, ours_us, cublas_us, path="decode"):
+    return {"m": m, "k": k, "n": n, "nm": nm, "dtype": "float16", "path": path, "ours_ms": ours_us / 1e3,
+            "cublas_ms": cublas_us / 1e3, "speedup": cublas_us / ours_us, "bytes_moved": 1, "gbps": 1.0,
+            "pct_copy_bw": 61.4, "tflops": 1.0, "cublas_tflops": 1.0, "copy": False}
+
+
+def test_kernel_bench_tables_from_json_rows(tmp_path):
+    """scripts/bench_table.py (BENCHMARKS.md's tables): a line per shape and row count, the patterns
+    in the order they first appear, the copy-bandwidth share only up to 16 rows, cuBLAS's median,
+    a blank for a pattern a point lacks; ranges over the shapes; the later run wins a point."""
+    from nmcli.bench_kernels import markdown_table, speedup_ranges
+
+    rows = [_kernel_row(1, 4096, 4096, "2:8", 5.0, 15.0), _kernel_row(1, 4096, 4096, "2:4", 10.0, 14.0),
+            _kernel_row(256, 4096, 4096, "2:8", 25.0, 20.0, "wgmma_sp"),
+            _kernel_row(1, 4096, 1024, "2:8", 4.0, 8.0)]
+    table = markdown_table(rows).splitlines()
+    assert table[0] == "| K x N | rows | cuBLAS us | 2:8 | 2:4 |"
+    assert table[2] == "| 4096 x 4096 | 1 | 14.5 | 5.0 us 3.00x 61% decode | 10.0 us 1.40x 61% decode |"
+    assert table[3] == "| 4096 x 4096 | 256 | 20.0 | 25.0 us 0.80x wgmma_sp |  |"
+    assert table[4] == "| 4096 x 1024 | 1 | 8.0 | 4.0 us 2.00x 61% decode |  |"
+    ranges = speedup_ranges(rows).splitlines()
+    assert ranges[2:] == ["| 1 | 2.00-3.00x | 1.40-1.40x |", "| 256 | 0.80-0.80x |  |"]
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"rows": rows}))
+    second.write_text(json.dumps({"rows": [_kernel_row(1, 4096, 1024, "2:8", 2.0, 8.0)]}))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_table.py"
+    out = subprocess.run([sys.executable, str(script), str(first), str(second), "--ranges"], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[2] == "| 1 | 3.00-4.00x | 1.40-1.40x |"
