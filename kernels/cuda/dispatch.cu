@@ -405,6 +405,26 @@ bool staging_pays(const CudaMatMul& call) {
   if (call.rows <= kDecodeMaxRows || path_supported(call, CudaPath::wgmma)) return false;
   return !path_supported(call, CudaPath::mma) || two_of_four_copy_by_words(call.shape.n, call.shape.m);
 }
+
+// The fewest rows decode_mma takes a call from (choose_path's rule, below). `splits`: it splits K
+// over a cluster; where decode then stages K in one chunk, decode keeps the first rows (groups of 4
+// aside). Four entries a group (4:8, 4:16) cost more to build into fragments (session 46).
+int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
+  const int64_t nout = call.shape.nout;
+  const bool groups_of_4 = call.shape.m == 4;
+  const bool decode_stages_k_once = splits && !groups_of_4 && decode_single_chunk(call);
+  if (call.shape.n == 4) {
+    if (decode_stages_k_once) return kDecodeMmaCrossover + 1;  // 4:8 on 11008 x 4096: 0.97-0.99x at 5-8 rows
+    const int64_t mid_nout = call.shape.m == 8 ? kDecodeMmaFourMidNout8 : kDecodeMmaFourMidNout16;
+    return nout <= kDecodeMmaNarrowestNout ? (call.shape.m == 8 ? 2 : 3)
+           : nout <= mid_nout             ? kDecodeMmaFromRows
+                                          : kDecodeMmaCrossover + 1;
+  }
+  const int64_t from = nout <= kDecodeMmaNarrowestNout ? (groups_of_4 ? 1 : 2)
+                       : groups_of_4 || nout <= kDecodeMmaMidNout ? 3
+                                                                  : kDecodeMmaFromRows;
+  return decode_stages_k_once ? std::max(from, kDecodeMmaFromRows) : from;
+}
 }  // namespace
 
 CudaPath choose_path(const CudaMatMul& call) {
@@ -424,18 +444,7 @@ CudaPath choose_path(const CudaMatMul& call) {
   const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
   const int64_t nout = call.shape.nout;
   const bool decode_mma_splits = decode_mma_split(call.rows, call.shape.n, call.shape.m, call.shape.k) > 1;
-  const bool groups_of_4 = call.shape.m == 4;
-  int64_t decode_mma_from = nout <= kDecodeMmaNarrowestNout ? (groups_of_4 ? 1 : 2)
-                            : groups_of_4 || nout <= kDecodeMmaMidNout ? 3
-                                                                       : kDecodeMmaFromRows;
-  if (call.shape.n == 4) {  // 4:8, 4:16: building the fragment costs more (session 46)
-    const int64_t mid_nout = call.shape.m == 8 ? kDecodeMmaFourMidNout8 : kDecodeMmaFourMidNout16;
-    decode_mma_from = nout <= kDecodeMmaNarrowestNout ? (call.shape.m == 8 ? 2 : 3)
-                      : nout <= mid_nout             ? kDecodeMmaFromRows
-                                                     : kDecodeMmaCrossover + 1;
-  }
-  if (decode_mma_splits && !groups_of_4 && decode_single_chunk(call))  // 4:8 on 11008 x 4096: 0.97-0.99x at 5-8 rows
-    decode_mma_from = std::max(decode_mma_from, call.shape.n == 4 ? kDecodeMmaCrossover + 1 : kDecodeMmaFromRows);
+  const int64_t decode_mma_from = decode_mma_from_rows(call, decode_mma_splits);
   // (path_supported limits it to the six families decode_mma.cu compiles.)
   const bool decode_mma_takes = call.rows >= decode_mma_from &&
                                 !(call.rows > kDecodeMmaCrossover && (two_of_four || has_copy(call))) &&
