@@ -393,7 +393,8 @@ def bench_kernels(
                                                                   "the pattern fits (as prune --prefill-copy)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
 ):
-    """Time nmcli's CUDA kernels against cuBLAS dense (CUDA-graph replay, weights rotated past L2)."""
+    """Time nmcli's CUDA kernels against cuBLAS dense (CUDA-graph replay, weights rotated past L2; each
+    pattern against the median of the cuBLAS runs at its shape and row count)."""
     from rich.progress import Progress
 
     from . import bench_kernels as bk
@@ -422,6 +423,7 @@ def bench_kernels(
             results.append(bk.bench_shape(torch, m, k, n, pattern, dtype, copy_gbps, props.L2_cache_size, replays,
                                           path=path, vector=vector, prefill_copy=prefill_copy))
             progress.advance(task)
+    results = bk.shared_baseline(results)
     if as_json:
         print(json.dumps({"gpu": props.name, "copy_gbps": copy_gbps, "dtype": dtype, "vector": vector,
                           "prefill_copy": prefill_copy,
