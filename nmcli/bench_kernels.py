@@ -223,16 +223,18 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
 def shared_baseline(rows: list[KernelRow]) -> list[KernelRow]:
     """The rows with one cuBLAS time per shape, row count and dtype: the median of the runs timed
     with its patterns, each row's own run kept in cublas_run_ms, speedups against the median."""
+    def own(r: KernelRow) -> float:
+        return r.cublas_ms if r.cublas_run_ms is None else r.cublas_run_ms
+
     runs: dict[tuple, list[float]] = {}
     for r in rows:
-        runs.setdefault((r.m, r.k, r.n, r.dtype), []).append(r.cublas_ms if r.cublas_run_ms is None else r.cublas_run_ms)
+        runs.setdefault((r.m, r.k, r.n, r.dtype), []).append(own(r))
     shared = []
     for r in rows:
-        own = r.cublas_ms if r.cublas_run_ms is None else r.cublas_run_ms
         median = statistics.median(runs[(r.m, r.k, r.n, r.dtype)])
         flops = 2.0 * r.m * r.k * r.n
         shared.append(replace(r, cublas_ms=median, speedup=median / r.ours_ms,
-                              cublas_tflops=flops / (median * 1e-3) / 1e12, cublas_run_ms=own))
+                              cublas_tflops=flops / (median * 1e-3) / 1e12, cublas_run_ms=own(r)))
     return shared
 
 
@@ -251,20 +253,15 @@ def as_dicts(rows: list[KernelRow]) -> list[dict]:
 
 
 def _cells_by_point(rows: list[dict]) -> tuple[list[str], dict[tuple[int, int, int], dict[str, dict]]]:
-    """The N:M patterns in the order they first appear, and each (k, n, m) point's rows by pattern."""
+    """The N:M patterns in the order they first appear, and each (k, n, m) point's rows by pattern,
+    each compared with the point's median cuBLAS run (shared_baseline: JSON written before it
+    carries each pattern's own run)."""
     patterns, points = [], {}
-    for row in rows:
+    for row in as_dicts(shared_baseline([KernelRow(**row) for row in rows])):
         if row["nm"] not in patterns:
             patterns.append(row["nm"])
         points.setdefault((row["k"], row["n"], row["m"]), {})[row["nm"]] = row
     return patterns, points
-
-
-def _point_cublas_ms(by_pattern: dict[str, dict]) -> float:
-    """A point's cuBLAS time: the median of its patterns' own runs (shared_baseline; JSON written
-    before it has only those runs, in cublas_ms)."""
-    return statistics.median(r["cublas_ms"] if r.get("cublas_run_ms") is None else r["cublas_run_ms"]
-                             for r in by_pattern.values())
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -275,7 +272,7 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| K x N | rows | cuBLAS us | " + " | ".join(patterns) + " |",
              "|:--|--:|--:|" + "--:|" * len(patterns)]
     for (k, n, m), by_pattern in points.items():
-        cublas_ms = _point_cublas_ms(by_pattern)
+        cublas_ms = next(iter(by_pattern.values()))["cublas_ms"]
         cells = []
         for nm in patterns:
             r = by_pattern.get(nm)
@@ -283,7 +280,7 @@ def markdown_table(rows: list[dict]) -> str:
                 cells.append("")
                 continue
             bandwidth = f" {r['pct_copy_bw']:.0f}%" if m <= DECODE_MS[-1] else ""
-            cells.append(f"{r['ours_ms'] * 1e3:.1f} us {cublas_ms / r['ours_ms']:.2f}x{bandwidth} {r['path']}")
+            cells.append(f"{r['ours_ms'] * 1e3:.1f} us {r['speedup']:.2f}x{bandwidth} {r['path']}")
         lines.append(f"| {k} x {n} | {m} | {cublas_ms * 1e3:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -294,9 +291,8 @@ def speedup_ranges(rows: list[dict]) -> str:
     patterns, points = _cells_by_point(rows)
     ranges: dict[tuple[int, str], list[float]] = {}
     for (_, _, m), by_pattern in points.items():
-        cublas_ms = _point_cublas_ms(by_pattern)
         for nm, r in by_pattern.items():
-            ranges.setdefault((m, nm), []).append(cublas_ms / r["ours_ms"])
+            ranges.setdefault((m, nm), []).append(r["speedup"])
     lines = ["| rows | " + " | ".join(patterns) + " |", "|--:|" + "--:|" * len(patterns)]
     for m in sorted({m for (m, _) in ranges}):
         cells = [f"{min(v):.2f}-{max(v):.2f}x" if (v := ranges.get((m, nm))) else "" for nm in patterns]
