@@ -223,24 +223,26 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 80896) == tc
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "bfloat16", 80904)
     assert not _kernels.cuda_path_supported("decode_mma", 8, 8, 16, "float16", 4096)  # 8 entries a group: not compiled
-    # 4:8 and 4:16 (four entries a group): from 2 and 3 rows up to 1024 wide, from 5 up to 16384
-    # (4:8) and 4096 (4:16) wide, else from 9.
+    # 4:8 and 4:16 (four entries a group): as groups of 8, from 2 rows up to 1024 wide, from 3 up
+    # to 4096 wide, else from 5, and from 5 where decode_mma splits K and decode stages it once;
+    # 4:16's pair-keyed table leaves 1-8 rows one block to K = 8576 and 8 blocks to 68608.
     assert _kernels.cuda_path_supported("decode_mma", 16, 4, 16, "bfloat16", 4744) == tc
+    assert _kernels.cuda_path_supported("decode_mma", 8, 4, 16, "float16", 68608) == tc
+    assert not _kernels.cuda_path_supported("decode_mma", 8, 4, 16, "float16", 68616)
+    assert _kernels.cuda_path_supported("decode_mma", 16, 4, 16, "float16", 37888) == tc  # entry keys there
     assert _kernels.cuda_path(2, 4, 8, 4096, 1024, "float16") == dm
     assert _kernels.cuda_path(1, 4, 8, 4096, 1024, "float16") == "decode"
-    assert _kernels.cuda_path(3, 4, 16, 4096, 1024, "bfloat16") == dm
-    assert _kernels.cuda_path(2, 4, 16, 4096, 1024, "float16") == "decode"
-    assert _kernels.cuda_path(5, 4, 16, 4096, 4096, "float16") == dm
-    assert _kernels.cuda_path(4, 4, 16, 4096, 4096, "float16") == "decode"
-    assert _kernels.cuda_path(8, 4, 16, 4096, 11008, "float16") == "decode"
-    assert _kernels.cuda_path(9, 4, 16, 4096, 11008, "float16") == ("decode_mma" if tc else "decode")
-    assert _kernels.cuda_path(5, 4, 8, 4096, 14336, "bfloat16") == dm
-    assert _kernels.cuda_path(8, 4, 8, 4096, 28672, "float16") == "decode"
-    assert _kernels.cuda_path(9, 4, 8, 4096, 28672, "float16") == ("decode_mma" if tc else "mma")
+    assert _kernels.cuda_path(2, 4, 16, 4096, 1024, "bfloat16") == dm
+    assert _kernels.cuda_path(3, 4, 16, 4096, 4096, "float16") == dm
+    assert _kernels.cuda_path(2, 4, 16, 4096, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(5, 4, 16, 4096, 11008, "float16") == dm
+    assert _kernels.cuda_path(4, 4, 16, 4096, 11008, "float16") == "decode"
+    assert _kernels.cuda_path(5, 4, 8, 4096, 28672, "float16") == dm
+    assert _kernels.cuda_path(4, 4, 8, 4096, 28672, "float16") == "decode"
     assert _kernels.cuda_path(16, 4, 8, 14336, 4096, "float16") == ("decode_mma" if tc else "mma")
-    assert _kernels.cuda_path(5, 4, 8, 14336, 4096, "float16") == dm  # decode: several K chunks
-    assert _kernels.cuda_path(8, 4, 8, 11008, 4096, "float16") == "decode"  # one chunk, decode_mma splits K
-    assert _kernels.cuda_path(9, 4, 8, 11008, 4096, "float16") == ("decode_mma" if tc else "mma")
+    assert _kernels.cuda_path(3, 4, 16, 14336, 4096, "float16") == dm  # decode: several K chunks
+    assert _kernels.cuda_path(4, 4, 8, 11008, 4096, "float16") == "decode"  # one chunk, decode_mma splits K
+    assert _kernels.cuda_path(5, 4, 8, 11008, 4096, "float16") == dm
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float32", 4096)
     assert _kernels.cuda_path(1, 2, 8, 4096, 1024, "float16") == "decode"
     assert _kernels.cuda_path(2, 2, 8, 4096, 1024, "float16") == dm

@@ -18,24 +18,27 @@
 //    selector looked up in a per-lane table (one shared-memory word per lane and key,
 //    lane-strided, so the 32 lookups of a warp never share a bank). With one entry a group one
 //    key covers both pairs of a column. The key's byte offset into the table comes from the offset
-//    string in one shift and one LOP3. With four entries a group the values fill two words: each
-//    entry (its offset and its half of the word) keys its own selector, a word's two are ORed,
-//    and so are the two words' PRMTs (a position holds at most one entry; a 16-bit field as one
-//    key would need a table of 65536 keys).
+//    string in one shift and one LOP3. With four entries a group the values fill two words: a
+//    word's two entries key its selector (a 32 KB table for groups of 16, so at 9-16 rows, where
+//    the activations need the room, each entry, its offset and its half of the word, keys its own
+//    and a word's two are ORed), and the two words' PRMTs are ORed (a position holds at most one
+//    entry; a 16-bit field as one key would need a table of 65536 keys). Session 48, pair keys and
+//    the leaner loop together against entry keys: 1.16-1.59x at 2-16 rows (4:8), 1.23-1.43x at 2-8
+//    rows (4:16; 1.10-1.15x of it from the leaner loop).
 //  * Each warp owns 16 output columns and a share of K: a block's 8 warps split a column tile's K
 //    steps and sum their partial tiles through shared memory. The block walks column tiles
 //    blockIdx.x, + gridDim.x, ... (one block per SM) and stages the activations once: each warp
 //    copies those of its own steps with the first tile's weight steps, so its first step waits
 //    for one step of activations, not for all of them (session 38: 1.05-1.55x on 1-16 rows).
 //  * Where the activations of all of K do not fit one block's shared memory (K past 4608-4928 at
-//    9-16 rows, 9984-10560 at 1-8, by family), K is split over a cluster of 2-8 blocks (the fewest
+//    9-16 rows, 8576-10560 at 1-8, by family), K is split over a cluster of 2-8 blocks (the fewest
 //    that fit): each stages and walks its slice of the steps for the same column tiles, and the
 //    blocks' sums meet through distributed shared memory in batches of up to 8 tiles, with no
-//    workspace and no second kernel. That lifts the limit to K = 36864-39424 at 9-16 rows,
-//    79872-84480 at 1-8.
+//    workspace and no second kernel. That lifts the limit to K = 36864-38912 at 9-16 rows,
+//    68608-83968 at 1-8.
 //  * A step is 32 stored entries of each of the warp's 16 columns (the row padding unit of the
 //    format, so no step runs past a row). Its values and offset words go global -> shared with
-//    cp.async into a ring of kDepth steps per warp, from per-lane sources set once per tile; the
+//    cp.async into a ring of kDepth steps per warp, from per-lane sources moved along each step; the
 //    first steps and the selector table (built by the compiler) are copied before the kernel
 //    waits on the previous one (the weights are constants), like the decode kernel.
 //  * The activations are staged as T, rows of the 16 (or 8) MMA rows, zeros past K and past the
@@ -77,8 +80,14 @@ constexpr int kPartialStride = 20;
 constexpr int kSmemLimit = 226 * 1024;  // of 227 KB per block, leaving the static norm sums room
 constexpr int kMaxSplit = 8;            // blocks of a cluster splitting K: the portable cluster size
 
-template <int kN, int kM>
+// Four entries a group key their selectors by pairs (a value word's two entries) where the table,
+// 2^(2 kBits) keys, leaves the activations room: groups of 8 (8 KB), and groups of 16 (32 KB) at
+// 1-8 rows; else each entry keys its own.
+constexpr bool pair_keys(int rows, int n, int m) { return n == 4 && (m == 8 || rows <= 8); }
+
+template <int kN, int kM, bool kPairs>
 struct Family {
+  static_assert(!kPairs || kN == 4, "pair keys are for four entries a group");
   static constexpr int kBits = index_bits(kM);
   static constexpr int kFieldBits = kN * kBits;          // offset bits of one group
   static constexpr int kPositions = kStepEntries * kM / kN;  // K positions a step covers
@@ -86,11 +95,15 @@ struct Family {
   // A lane's two words of a column and slab (positions 2q, 2q+1 and 2q+8, 2q+9) lie kApart
   // groups apart (none with groups of 16). With one entry a group the fields of both groups and
   // any between them, 6 bits, key one table lookup that gives both words' selectors; with two,
-  // each group's 4- or 6-bit field keys its own; with four, each entry's offset and which half of
-  // its value word it sits in (kBits + 1 bits) key its own (a key per pair, 2 x kBits bits, would
-  // need a 32 KB table for groups of 16, leaving the activations of K = 4096 no room at 16 rows).
+  // each group's 4- or 6-bit field keys its own; with four, each value word's two entries (2 x
+  // kBits bits, kPairs), or each entry's offset and which half of its value word it sits in (kBits
+  // + 1 bits; a key per pair would need a 32 KB table for groups of 16, leaving the activations of
+  // K = 4096 no room at 16 rows).
   static constexpr int kApart = 8 / kM;
-  static constexpr int kKeyBits = kN == 1 ? (kApart + 1) * kFieldBits : kN == 2 ? kFieldBits : kBits + 1;
+  static constexpr int kKeyBits = kN == 1   ? (kApart + 1) * kFieldBits
+                                  : kN == 2 ? kFieldBits
+                                  : kPairs  ? 2 * kBits
+                                            : kBits + 1;
   static constexpr int kKeys = 1 << kKeyBits;
   static_assert(((kN == 1 || kN == 2) && (kM == 4 || kM == 8)) || (kN == 4 && (kM == 8 || kM == 16)),
                 "groups of 4 or 8 with one or two entries, or of 8 or 16 with four");
@@ -100,13 +113,13 @@ struct Family {
 // positions 2q, 2q+1, bits 16-31 the one at 2q+8, 2q+9 (for two entries a group, or four in
 // groups of 8, both halves are the same, as both words sit at the same place in their groups).
 // PRMT(0, V, selector), which reads the selector's low 16 bits, with V the 32-bit word holding the
-// group's values (with four entries, the entry's): nibbles 4/5 take V's low half, 6/7 its high
+// group's values (with four entries, the key's entries'): nibbles 4/5 take V's low half, 6/7 its high
 // half, 0 a zero byte.
-template <int kN, int kM>
+template <int kN, int kM, bool kPairs>
 __host__ __device__ constexpr uint32_t selectors(int key, int lane) {
-  using F = Family<kN, kM>;
+  using F = Family<kN, kM, kPairs>;
   const int q = lane & 3;
-  constexpr int kKeyed = kN == 4 ? 1 : kN;  // entries a key names
+  constexpr int kKeyed = kN == 4 ? (kPairs ? 2 : 1) : kN;  // entries a key names
   uint32_t both = 0;
   for (int w = 0; w < 2; ++w) {
     const int field = kN == 1 ? (key >> (w * F::kApart * F::kFieldBits)) & ((1 << F::kFieldBits) - 1) : key;
@@ -114,8 +127,9 @@ __host__ __device__ constexpr uint32_t selectors(int key, int lane) {
     uint32_t selector = 0;
     for (int e = 0; e < kKeyed; ++e) {
       const int offset = (field >> (e * F::kBits)) & ((1 << F::kBits) - 1);
-      // which half of V holds entry e (with four entries a group, the key's top bit says)
-      const int half = kN == 1 ? (group & 1) : kN == 2 ? e : key >> F::kBits;
+      // which half of V holds entry e (with four entries a group keyed one at a time, the key's top
+      // bit says)
+      const int half = kN == 1 ? (group & 1) : kN == 2 || kPairs ? e : key >> F::kBits;
       const uint32_t code = static_cast<uint32_t>((4 + 2 * half) | (5 + 2 * half) << 4);
       if (offset == t) selector |= code;
       if (offset == t + 1) selector |= code << 8;
@@ -129,15 +143,16 @@ __host__ __device__ constexpr uint32_t selectors(int key, int lane) {
 // the first weight steps, before the programmatic-dependent wait. (Session 35's kernel built it in
 // every block on every launch, work the previous kernel's tail hides only in part: a block of this
 // kernel starts once the SM's shared memory is free.)
-template <int kN, int kM>
+template <int kN, int kM, bool kPairs>
 struct SelectorTable {
-  alignas(16) uint32_t entry[Family<kN, kM>::kKeys * 32];
+  alignas(16) uint32_t entry[Family<kN, kM, kPairs>::kKeys * 32];
   constexpr SelectorTable() : entry() {
-    for (int i = 0; i < Family<kN, kM>::kKeys * 32; ++i) entry[i] = selectors<kN, kM>(i >> 5, i & 31);
+    for (int i = 0; i < Family<kN, kM, kPairs>::kKeys * 32; ++i)
+      entry[i] = selectors<kN, kM, kPairs>(i >> 5, i & 31);
   }
 };
-template <int kN, int kM>
-__device__ SelectorTable<kN, kM> kSelectorTable;
+template <int kN, int kM, bool kPairs>
+__device__ SelectorTable<kN, kM, kPairs> kSelectorTable;
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t d;
@@ -156,7 +171,11 @@ __device__ __forceinline__ uint32_t key_offset(const uint32_t (&w)[4], uint32_t 
   if constexpr (shift + width > 32) moved = __funnelshift_r(w[word], w[word + 1], shift - 7);
   else if constexpr (shift >= 7) moved = w[word] >> (shift - 7);
   else moved = w[word] << (7 - shift);
-  return (moved & mask) | lane_bytes;
+  // (moved & mask) | lane_bytes in one LOP3: left to itself, the compiler folds the lane's `& 31` into
+  // every key and splits the merge in two (16-row kernels).
+  uint32_t key;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(key) : "r"(moved), "n"(mask), "r"(lane_bytes));
+  return key;
 }
 
 template <int V>
@@ -176,7 +195,9 @@ __device__ __forceinline__ void unrolled(F&& f) {
 // steps).
 template <int R, int kN, int kM>
 struct Layout {
-  static constexpr int kTableBytes = static_cast<int>(sizeof(SelectorTable<kN, kM>));
+  static constexpr bool kPairs = pair_keys(R, kN, kM);
+  using F = Family<kN, kM, kPairs>;
+  static constexpr int kTableBytes = static_cast<int>(sizeof(SelectorTable<kN, kM, kPairs>));
   static constexpr int kRingBytes = kWarps * kDepth * kStageBytes;
   static constexpr int kPartialBytes = 2 * kWarps * R * kPartialStride * 4;
   static constexpr int kRingOffset = kTableBytes;
@@ -194,7 +215,7 @@ struct Layout {
   static constexpr int kTileSumsBytes = R * kColumns * 4;
   static constexpr int kMaxBatch = 8;
   __host__ __device__ static int64_t sums_offset(int64_t row_len, int split) {
-    return kXOffset + static_cast<int64_t>(R) * (slice_steps(row_len, split) * Family<kN, kM>::kPositions + 8) * 2;
+    return kXOffset + static_cast<int64_t>(R) * (slice_steps(row_len, split) * F::kPositions + 8) * 2;
   }
   __host__ __device__ static int batch_tiles(int64_t row_len, int split) {
     const int64_t room = (kSmemLimit - sums_offset(row_len, split)) / (3 * kTileSumsBytes);
@@ -303,8 +324,8 @@ __device__ __forceinline__ V* peer_address(V* mine, int rank) {
 // kernel's PTX is the same as before K could be split.
 template <typename T, int R, int kN, int kM, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p) {
-  using F = Family<kN, kM>;
   using L = Layout<R, kN, kM>;
+  using F = typename L::F;
   constexpr int kRowTiles = R / 8;  // n8 MMA tiles of activation rows
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float norm_sumsq[R];
@@ -323,35 +344,43 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
 
   // The lane's copies of a step: value chunk c (16 bytes) of column lane / 4 + 8c, part lane % 4,
   // and offset word i = lane + 32c of the tile's 16 x kBits (16 x 2 fit one per lane; 16 x 3 take
-  // lanes 0-15 twice). Sources are at the tile's step 0, zero-filled past Nout.
+  // lanes 0-15 twice). Sources are at step `step` (moved along with it: recomputing them from the
+  // tile's step 0 cost 10-15 instructions a step), zero-filled past Nout.
   constexpr int kIndexCopies = kColumns * F::kBits > 32 ? 2 : 1;
   struct Step {
     int tile, step;
+    bool first_tile;  // the block's first: its steps carry X
     const T* value[2];
     const uint32_t* index[kIndexCopies];
     bool value_ok[2], index_ok[kIndexCopies];
   };
   auto at_tile = [&](Step& s, int tile) {
     s.tile = tile;
+    s.step = first;
+    s.first_tile = tile == static_cast<int>(blockIdx.x);
     const int64_t col0 = static_cast<int64_t>(tile) * kColumns;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int64_t col = col0 + (lane >> 2) + 8 * c;
       s.value_ok[c] = col < p.nout;
-      s.value[c] = p.values + (s.value_ok[c] ? col * p.row_len + (lane & 3) * 8 : 0);
+      s.value[c] = p.values + (s.value_ok[c] ? col * p.row_len + (lane & 3) * 8 : 0) + first * kStepEntries;
     }
 #pragma unroll
     for (int c = 0; c < kIndexCopies; ++c) {
       const int i = lane + 32 * c;
       const int64_t col = col0 + i / F::kBits;
       s.index_ok[c] = col < p.nout;
-      s.index[c] = p.indices + (s.index_ok[c] ? col * p.index_words + i % F::kBits : 0);
+      s.index[c] = p.indices + (s.index_ok[c] ? col * p.index_words + i % F::kBits : 0) + first * F::kBits;
     }
   };
   auto advance = [&](Step& s) {
     if (++s.step >= last) {
-      s.step = first;
       at_tile(s, s.tile + gridDim.x);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) s.value[c] += kStepEntries;
+#pragma unroll
+      for (int c = 0; c < kIndexCopies; ++c) s.index[c] += F::kBits;
     }
   };
   const uint32_t value_dst0 = smem_addr(ring + (lane >> 2) * kValueRowWords * 4 + (lane & 3) * 16);
@@ -385,17 +414,16 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   bool x_readable = false;  // past the wait for the previous kernel
   // Copies step s into ring slot `slot` (and in the first tile its X); always commits a group, so
   // every warp counts its groups alike.
-  auto issue = [&](const Step& s, int slot) {
+  auto issue = [&](const Step& s, unsigned slot) {
     if (first < last && s.tile < tiles) {
       const uint32_t stage = slot * kStageBytes;
 #pragma unroll
       for (int c = 0; c < 2; ++c)
-        cp_async16(value_dst0 + stage + c * 8 * kValueRowWords * 4, s.value[c] + s.step * kStepEntries, s.value_ok[c]);
-      cp_async4(index_dst0 + stage, s.index[0] + s.step * F::kBits, s.index_ok[0]);
+        cp_async16(value_dst0 + stage + c * 8 * kValueRowWords * 4, s.value[c], s.value_ok[c]);
+      cp_async4(index_dst0 + stage, s.index[0], s.index_ok[0]);
       if constexpr (kIndexCopies == 2)
-        if (lane < kColumns * F::kBits - 32)
-          cp_async4(index_dst1 + stage, s.index[1] + s.step * F::kBits, s.index_ok[1]);
-      if (plain_x && x_readable && s.tile == static_cast<int>(blockIdx.x)) stage_x(s.step);
+        if (lane < kColumns * F::kBits - 32) cp_async4(index_dst1 + stage, s.index[1], s.index_ok[1]);
+      if (plain_x && x_readable && s.first_tile) stage_x(s.step);
     }
     cp_async_commit();
   };
@@ -403,15 +431,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   // The weights are constants: the table and the first steps' copies go out before the wait.
   constexpr int kTableChunks = L::kTableBytes / 16;
   for (int i = threadIdx.x; i < kTableChunks; i += kThreads)
-    cp_async16(smem_addr(smem + 16 * i), reinterpret_cast<const unsigned char*>(&kSelectorTable<kN, kM>) + 16 * i,
-               true);
+    cp_async16(smem_addr(smem + 16 * i),
+               reinterpret_cast<const unsigned char*>(&kSelectorTable<kN, kM, L::kPairs>) + 16 * i, true);
   Step next{};
-  next.step = first;
   at_tile(next, blockIdx.x);
   int early[kDepth - 1];  // the steps issued before the wait, while they are the first tile's
 #pragma unroll
   for (int d = 0; d < kDepth - 1; ++d) {
-    early[d] = next.tile == static_cast<int>(blockIdx.x) ? next.step : -1;
+    early[d] = next.first_tile ? next.step : -1;
     issue(next, d);
     advance(next);
   }
@@ -490,19 +517,25 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
       for (int h = 0; h < 2; ++h) {
         if constexpr (kN == 4) {
           // Entries 4G .. 4G + 3 of the step are group G's: word 2G holds the first two, 2G + 1
-          // the last two. Each entry's offset keys its own selector; a word's two entries' are
-          // ORed (a position holds at most one entry). Groups of 16: the slab's one group gives
+          // the last two. A word's two entries key its selector (kPairs), or each entry's offset
+          // keys its own and a word's two are ORed (a position holds at most one entry). Then the
+          // two words' PRMTs are ORed likewise. Groups of 16: the slab's one group gives
           // both of the lane's words (the selectors' halves); groups of 8: word w is group
           // 2 * slab + w's.
           auto group_selectors = [&](auto group_constant, uint32_t& low, uint32_t& high) {
             constexpr int kGroup = decltype(group_constant)::value;
-            uint32_t entry[4];
-            unrolled<4>([&](auto e_constant) {
-              constexpr int e = decltype(e_constant)::value;
-              const uint32_t lane_key = e & 1 ? odd_bytes : lane_bytes;
-              entry[e] = lookup(key_offset<(4 * kGroup + e) * F::kBits, F::kBits>(offsets[h], lane_key));
-            });
-            low = entry[0] | entry[1], high = entry[2] | entry[3];
+            if constexpr (L::kPairs) {  // a word's two entries key its selector
+              low = lookup(key_offset<4 * kGroup * F::kBits, 2 * F::kBits>(offsets[h], lane_bytes));
+              high = lookup(key_offset<(4 * kGroup + 2) * F::kBits, 2 * F::kBits>(offsets[h], lane_bytes));
+            } else {
+              uint32_t entry[4];
+              unrolled<4>([&](auto e_constant) {
+                constexpr int e = decltype(e_constant)::value;
+                const uint32_t lane_key = e & 1 ? odd_bytes : lane_bytes;
+                entry[e] = lookup(key_offset<(4 * kGroup + e) * F::kBits, F::kBits>(offsets[h], lane_key));
+              });
+              low = entry[0] | entry[1], high = entry[2] | entry[3];
+            }
           };
           if constexpr (kM == 16) {
             uint32_t low, high;
@@ -569,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     }
   };
 
-  int walked = 0;  // steps this warp has multiplied: its ring position
+  unsigned walked = 0;  // steps this warp has multiplied: its ring position
   int parity = 0;  // which set of partial tiles this tile uses
   int walked_tiles = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1, ++walked_tiles) {

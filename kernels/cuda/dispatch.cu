@@ -13,7 +13,7 @@
 // auto|decode|decode_mma|wgmma_sp at 1-8 rows on nine shapes, 2048 x 2048 to 4096 x 28672):
 //  * 2:4, 1:4, 2:8 and 1:8 from a few rows (fp16/bf16, K % 8 == 0, the activations of the whole K
 //    in the shared memory of one block or, K split over a cluster on compute capability 9.0, of
-//    up to 8: K up to 36864-39424 at 9..16 rows, 79872-84480 at 1..8, by family): the
+//    up to 8: K up to 36864-38912 at 9..16 rows, 68608-83968 at 1..8, by family): the
 //    decode-sized tensor-core kernel (decode_mma.cu), to 16 rows (2:4 to 8). Where Nout <= 1024
 //    it starts at 1 row for groups of 4 (1:4, 2:4) and 2 for groups of 8 (session 38: 1.08x and
 //    1.26x decode at 1 row on 4096 x 1024 for 1:4 and 2:4, level for 1:8 and 2:8; session 36:
@@ -32,12 +32,15 @@
 //    1.03-1.05x at 3-4 rows there), and 2:4 takes the sparse tensor cores from 3 rows (session 37:
 //    against the rule before, 1.07-1.97x at 3-16 rows on 11008 and 14336 x 4096 where the choice
 //    changed).
-//  * 4:8 and 4:16 (fp16/bf16, same K limits) on decode_mma (session 46, H100, ab_kernels --path
-//    decode|decode_mma|mma at 1-16 rows on eight shapes, 4096 x 1024 to 4096 x 28672): at 12-16
-//    rows 1.55-2.96x the faster of decode and mma everywhere; at 5-8 rows 0.97-2.14x decode up to
-//    16384 wide for 4:8 and 4096 wide for 4:16, 0.82-1.02x wider (4:16 on 4096 x 11008 to 28672,
-//    4:8 on 28672); at 1-4 rows decode ran 1.15-2.1x faster, except on 4096 x 1024, where
-//    decode_mma won from 2 rows (4:8) and 3 (4:16).
+//  * 4:8 and 4:16 (fp16/bf16, the same K limits but 4:16's at 1..8 rows, 68608) on decode_mma
+//    (session 46, H100, ab_kernels --path decode|decode_mma|mma at 1-16 rows on eight shapes, 4096
+//    x 1024 to 4096 x 28672: at 12-16 rows 1.55-2.96x the faster of decode and mma everywhere).
+//    Session 48 (pair keys; H100, ab_kernels --path decode_mma --path decode at 2-16 rows on seven
+//    shapes, 4096 x 1024 to 4096 x 28672) refit the first rows: at 5-8 rows decode_mma 1.15-2.70x
+//    decode everywhere, the down projections too; at 3-4 rows 1.04-1.88x up to 4096 wide (but 0.89x
+//    and 0.99x on 11008 x 4096, where decode stages K once), 0.83-1.06x wider; at 2 rows only on
+//    4096 x 1024 (1.18x and 1.45x; 0.70-0.91x elsewhere). So the rule of groups of 8 with 4096
+//    for 16384.
 //  * 2:4 at 5..8 rows where decode_mma does not take it: the sparse tensor cores where their grid
 //    is as wide as from 9 rows (session 35: 1.25-2.46x decode at 5-8 rows, ab_kernels run D).
 //  * Otherwise 1..8 rows: the decode path.
@@ -408,21 +411,16 @@ bool staging_pays(const CudaMatMul& call) {
 
 // The fewest rows decode_mma takes a call from (choose_path's rule, below). `splits`: it splits K
 // over a cluster; where decode then stages K in one chunk, decode keeps the first rows (groups of 4
-// aside). Four entries a group (4:8, 4:16) cost more to build into fragments (session 46).
+// aside). Four entries a group (4:8, 4:16), which cost more to build into fragments, start at 3
+// rows on narrower outputs than groups of 8 (session 48).
 int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
   const int64_t nout = call.shape.nout;
   const bool groups_of_4 = call.shape.m == 4;
   const bool decode_stages_k_once = splits && !groups_of_4 && decode_single_chunk(call);
-  if (call.shape.n == 4) {
-    if (decode_stages_k_once) return kDecodeMmaCrossover + 1;  // 4:8 on 11008 x 4096: 0.97-0.99x at 5-8 rows
-    const int64_t mid_nout = call.shape.m == 8 ? kDecodeMmaFourMidNout8 : kDecodeMmaFourMidNout16;
-    return nout <= kDecodeMmaNarrowestNout ? (call.shape.m == 8 ? 2 : 3)
-           : nout <= mid_nout             ? kDecodeMmaFromRows
-                                          : kDecodeMmaCrossover + 1;
-  }
+  const int64_t mid_nout = call.shape.n == 4 ? kDecodeMmaFourMidNout : kDecodeMmaMidNout;
   const int64_t from = nout <= kDecodeMmaNarrowestNout ? (groups_of_4 ? 1 : 2)
-                       : groups_of_4 || nout <= kDecodeMmaMidNout ? 3
-                                                                  : kDecodeMmaFromRows;
+                       : groups_of_4 || nout <= mid_nout ? 3
+                                                         : kDecodeMmaFromRows;
   return decode_stages_k_once ? std::max(from, kDecodeMmaFromRows) : from;
 }
 }  // namespace
@@ -431,12 +429,11 @@ CudaPath choose_path(const CudaMatMul& call) {
   // The decode-sized tensor-core kernel for 2:4, 1:4, 2:8 and 1:8 on outputs up to 1024 wide from
   // 1 row (groups of 4) or 2 (groups of 8), else from 3 for groups of 4 and, for groups of 8, from
   // 3 up to 16384 wide, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read
-  // a 2:4 copy on the sparse tensor cores from 9 rows. For 4:8 and 4:16 from 2 and 3 rows up to
-  // 1024 wide, from 5 up to 16384 (4:8) and 4096 (4:16) wide, else, or where it splits K while
-  // decode stages K in one chunk, from 9. Where its K does not fit (K past
-  // 36864-39424 at 9..16 rows, 79872-84480 at 1..8), 2:4 at 5-8 rows takes the sparse tensor cores
+  // a 2:4 copy on the sparse tensor cores from 9 rows. 4:8 and 4:16 like groups of 8, from 3 rows
+  // up to 4096 wide. Where its K does not fit (K past
+  // 36864-38912 at 9..16 rows, 68608-83968 at 1..8), 2:4 at 5-8 rows takes the sparse tensor cores
   // and the rest decode. Where it splits K over a cluster (K past one block's shared memory, as in
-  // the down projections), groups of 8 start at 5 rows while decode stages K in one chunk (session
+  // the down projections), groups of 8 (and 4:8, 4:16) start at 5 rows while decode stages K in one chunk (session
   // 37: decode 1.04-1.18x at 4 rows on 11008 x 4096, decode_mma 1.14-1.24x on 14336 x 4096 in two
   // chunks), and 2:4 takes the sparse tensor cores from 3 rows (1.02-1.16x decode_mma at 3-8 rows
   // there).

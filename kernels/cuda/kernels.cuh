@@ -54,11 +54,9 @@ constexpr int64_t kDecodeMaxRows = 16;  // the decode path handles 1..16 activat
 constexpr int64_t kDecodeMmaCrossover = 8;  // ... and is faster than the mma path up to 8
 constexpr int64_t kDecodeMmaFromRows = 5;   // decode_mma.cu from here at the latest (2:4 on wgmma_sp too),
 constexpr int64_t kDecodeMmaNarrowestNout = 1024;  // from 1 row (groups of 4) or 2 up to this Nout,
-constexpr int64_t kDecodeMmaMidNout = 16384;       // from 3 up to this one (groups of 4: at every Nout)
+constexpr int64_t kDecodeMmaMidNout = 16384;       // from 3 up to this one (groups of 4: at every Nout;
+constexpr int64_t kDecodeMmaFourMidNout = 4096;    // four entries a group, 4:8 and 4:16: up to this one)
 constexpr int64_t kTwoOfFourSplitSpFromRows = 3;   // 2:4 on wgmma_sp from here where decode_mma splits K
-// Four entries a group (4:8, 4:16): decode_mma from 2 (4:8) or 3 rows (4:16) up to the narrowest
-// Nout, else from kDecodeMmaFromRows up to these widths, else from 9 rows.
-constexpr int64_t kDecodeMmaFourMidNout8 = 16384, kDecodeMmaFourMidNout16 = 4096;
 constexpr int64_t kWgmmaCrossover = 128;    // the wgmma path from this many rows (sm_90) ...
 constexpr int64_t kWgmmaMinBlocks = 16;     // ... when its grid of smallest tiles has this many blocks,
 constexpr int64_t kWgmmaWideTiles = 8;      // and from 17 rows (the sparse one 9) with this many weight tiles
