@@ -225,11 +225,13 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert not _kernels.cuda_path_supported("decode_mma", 8, 8, 16, "float16", 4096)  # 8 entries a group: not compiled
     # 4:8 and 4:16 (four entries a group): as groups of 8, from 2 rows up to 1024 wide, from 3 up
     # to 4096 wide, else from 5, and from 5 where decode_mma splits K and decode stages it once;
-    # 4:16's pair-keyed table leaves 1-8 rows one block to K = 8576 and 8 blocks to 68608.
+    # 4:16's pair-keyed tables leave 1-8 rows one block to K = 8576 and 8 blocks to 68608, 9-16 rows
+    # (16 lanes a key) 4480 and 34816.
     assert _kernels.cuda_path_supported("decode_mma", 16, 4, 16, "bfloat16", 4744) == tc
     assert _kernels.cuda_path_supported("decode_mma", 8, 4, 16, "float16", 68608) == tc
     assert not _kernels.cuda_path_supported("decode_mma", 8, 4, 16, "float16", 68616)
-    assert _kernels.cuda_path_supported("decode_mma", 16, 4, 16, "float16", 37888) == tc  # entry keys there
+    assert _kernels.cuda_path_supported("decode_mma", 16, 4, 16, "float16", 34816) == tc
+    assert not _kernels.cuda_path_supported("decode_mma", 16, 4, 16, "float16", 34824)
     assert _kernels.cuda_path(2, 4, 8, 4096, 1024, "float16") == dm
     assert _kernels.cuda_path(1, 4, 8, 4096, 1024, "float16") == "decode"
     assert _kernels.cuda_path(2, 4, 16, 4096, 1024, "bfloat16") == dm

@@ -16,25 +16,27 @@
 //    holds, per 16-position slab, positions 2q, 2q+1 and 2q+8, 2q+9 of columns g and g + 8. Each
 //    pair lies in one group; a PRMT picks each half from the group's value word (or zero) with a
 //    selector looked up in a per-lane table (one shared-memory word per lane and key,
-//    lane-strided, so the 32 lookups of a warp never share a bank). With one entry a group one
+//    lane-strided, so the 32 lookups of a warp never share a bank; see table_lanes for the one
+//    exception). With one entry a group one
 //    key covers both pairs of a column. The key's byte offset into the table comes from the offset
 //    string in one shift and one LOP3. With four entries a group the values fill two words: a
-//    word's two entries key its selector (a 32 KB table for groups of 16, so at 9-16 rows, where
-//    the activations need the room, each entry, its offset and its half of the word, keys its own
-//    and a word's two are ORed), and the two words' PRMTs are ORed (a position holds at most one
-//    entry; a 16-bit field as one key would need a table of 65536 keys). Session 48, pair keys and
-//    the leaner loop together against entry keys: 1.16-1.59x at 2-16 rows (4:8), 1.23-1.43x at 2-8
-//    rows (4:16; 1.10-1.15x of it from the leaner loop).
+//    word's two entries key its selector (for groups of 16 a 32 KB table, which at 9-16 rows, where
+//    the activations need the room, holds 16 lanes a key), and the two words' PRMTs are ORed (a
+//    position holds at most one entry; a 16-bit field as one key would need a table of 65536
+//    keys). Session 48: against each entry keying its own selector (its offset and its half of the
+//    word, a word's two ORed), with the leaner loop, 1.16-1.59x at 2-16 rows (4:8), 1.23-1.43x at
+//    2-8 rows (4:16; 1.10-1.15x of it from the leaner loop), and 1.10-1.18x at 9-16 rows (4:16,
+//    the 16-lane table).
 //  * Each warp owns 16 output columns and a share of K: a block's 8 warps split a column tile's K
 //    steps and sum their partial tiles through shared memory. The block walks column tiles
 //    blockIdx.x, + gridDim.x, ... (one block per SM) and stages the activations once: each warp
 //    copies those of its own steps with the first tile's weight steps, so its first step waits
 //    for one step of activations, not for all of them (session 38: 1.05-1.55x on 1-16 rows).
-//  * Where the activations of all of K do not fit one block's shared memory (K past 4608-4928 at
+//  * Where the activations of all of K do not fit one block's shared memory (K past 4480-4928 at
 //    9-16 rows, 8576-10560 at 1-8, by family), K is split over a cluster of 2-8 blocks (the fewest
 //    that fit): each stages and walks its slice of the steps for the same column tiles, and the
 //    blocks' sums meet through distributed shared memory in batches of up to 8 tiles, with no
-//    workspace and no second kernel. That lifts the limit to K = 36864-38912 at 9-16 rows,
+//    workspace and no second kernel. That lifts the limit to K = 34816-38912 at 9-16 rows,
 //    68608-83968 at 1-8.
 //  * A step is 32 stored entries of each of the warp's 16 columns (the row padding unit of the
 //    format, so no step runs past a row). Its values and offset words go global -> shared with
@@ -80,14 +82,14 @@ constexpr int kPartialStride = 20;
 constexpr int kSmemLimit = 226 * 1024;  // of 227 KB per block, leaving the static norm sums room
 constexpr int kMaxSplit = 8;            // blocks of a cluster splitting K: the portable cluster size
 
-// Four entries a group key their selectors by pairs (a value word's two entries) where the table,
-// 2^(2 kBits) keys, leaves the activations room: groups of 8 (8 KB), and groups of 16 (32 KB) at
-// 1-8 rows; else each entry keys its own.
-constexpr bool pair_keys(int rows, int n, int m) { return n == 4 && (m == 8 || rows <= 8); }
+// Lanes of the selector table a key: 32, so that a warp's lookups never share a bank, but 16 for
+// groups of 16 at 9-16 rows, whose 32 KB table (256 pair keys) would leave the activations of K =
+// 4096 no room (16 KB; lanes l and l + 16 share a word, a 2-way bank conflict where their keys
+// differ in parity).
+constexpr int table_lanes(int rows, int n, int m) { return n == 4 && m == 16 && rows > 8 ? 16 : 32; }
 
-template <int kN, int kM, bool kPairs>
+template <int kN, int kM>
 struct Family {
-  static_assert(!kPairs || kN == 4, "pair keys are for four entries a group");
   static constexpr int kBits = index_bits(kM);
   static constexpr int kFieldBits = kN * kBits;          // offset bits of one group
   static constexpr int kPositions = kStepEntries * kM / kN;  // K positions a step covers
@@ -95,15 +97,11 @@ struct Family {
   // A lane's two words of a column and slab (positions 2q, 2q+1 and 2q+8, 2q+9) lie kApart
   // groups apart (none with groups of 16). With one entry a group the fields of both groups and
   // any between them, 6 bits, key one table lookup that gives both words' selectors; with two,
-  // each group's 4- or 6-bit field keys its own; with four, each value word's two entries (2 x
-  // kBits bits, kPairs), or each entry's offset and which half of its value word it sits in (kBits
-  // + 1 bits; a key per pair would need a 32 KB table for groups of 16, leaving the activations of
-  // K = 4096 no room at 16 rows).
+  // each group's 4- or 6-bit field keys its own; with four, each value word's two entries (until
+  // session 48 each entry, its offset and its half of the word, keyed its own, and a word's two
+  // selectors were ORed: BENCHMARKS.md has what the pairs gained).
   static constexpr int kApart = 8 / kM;
-  static constexpr int kKeyBits = kN == 1   ? (kApart + 1) * kFieldBits
-                                  : kN == 2 ? kFieldBits
-                                  : kPairs  ? 2 * kBits
-                                            : kBits + 1;
+  static constexpr int kKeyBits = kN == 1 ? (kApart + 1) * kFieldBits : kN == 2 ? kFieldBits : 2 * kBits;
   static constexpr int kKeys = 1 << kKeyBits;
   static_assert(((kN == 1 || kN == 2) && (kM == 4 || kM == 8)) || (kN == 4 && (kM == 8 || kM == 16)),
                 "groups of 4 or 8 with one or two entries, or of 8 or 16 with four");
@@ -115,11 +113,11 @@ struct Family {
 // PRMT(0, V, selector), which reads the selector's low 16 bits, with V the 32-bit word holding the
 // group's values (with four entries, the key's entries'): nibbles 4/5 take V's low half, 6/7 its high
 // half, 0 a zero byte.
-template <int kN, int kM, bool kPairs>
+template <int kN, int kM>
 __host__ __device__ constexpr uint32_t selectors(int key, int lane) {
-  using F = Family<kN, kM, kPairs>;
+  using F = Family<kN, kM>;
   const int q = lane & 3;
-  constexpr int kKeyed = kN == 4 ? (kPairs ? 2 : 1) : kN;  // entries a key names
+  constexpr int kKeyed = kN == 1 ? 1 : 2;  // entries a key names
   uint32_t both = 0;
   for (int w = 0; w < 2; ++w) {
     const int field = kN == 1 ? (key >> (w * F::kApart * F::kFieldBits)) & ((1 << F::kFieldBits) - 1) : key;
@@ -127,9 +125,7 @@ __host__ __device__ constexpr uint32_t selectors(int key, int lane) {
     uint32_t selector = 0;
     for (int e = 0; e < kKeyed; ++e) {
       const int offset = (field >> (e * F::kBits)) & ((1 << F::kBits) - 1);
-      // which half of V holds entry e (with four entries a group keyed one at a time, the key's top
-      // bit says)
-      const int half = kN == 1 ? (group & 1) : kN == 2 || kPairs ? e : key >> F::kBits;
+      const int half = kN == 1 ? (group & 1) : e;  // which half of V holds entry e
       const uint32_t code = static_cast<uint32_t>((4 + 2 * half) | (5 + 2 * half) << 4);
       if (offset == t) selector |= code;
       if (offset == t + 1) selector |= code << 8;
@@ -143,16 +139,16 @@ __host__ __device__ constexpr uint32_t selectors(int key, int lane) {
 // the first weight steps, before the programmatic-dependent wait. (Session 35's kernel built it in
 // every block on every launch, work the previous kernel's tail hides only in part: a block of this
 // kernel starts once the SM's shared memory is free.)
-template <int kN, int kM, bool kPairs>
+template <int kN, int kM, int kLanes>
 struct SelectorTable {
-  alignas(16) uint32_t entry[Family<kN, kM, kPairs>::kKeys * 32];
+  alignas(16) uint32_t entry[Family<kN, kM>::kKeys * kLanes];
   constexpr SelectorTable() : entry() {
-    for (int i = 0; i < Family<kN, kM, kPairs>::kKeys * 32; ++i)
-      entry[i] = selectors<kN, kM, kPairs>(i >> 5, i & 31);
+    for (int i = 0; i < Family<kN, kM>::kKeys * kLanes; ++i)
+      entry[i] = selectors<kN, kM>(i / kLanes, i % kLanes);  // (a selector depends on lane % 4)
   }
 };
-template <int kN, int kM, bool kPairs>
-__device__ SelectorTable<kN, kM, kPairs> kSelectorTable;
+template <int kN, int kM, int kLanes>
+__device__ SelectorTable<kN, kM, kLanes> kSelectorTable;
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t d;
@@ -160,17 +156,18 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
   return d;
 }
 
-// The `width` bits at compile-time bit `bit` of the little-endian string w[], times 128 (a table
-// key's byte offset: 32 lanes of 4 bytes), in one shift and, with the lane's byte offset, one LOP3.
-template <int bit, int width>
+// The `width` bits at compile-time bit `bit` of the little-endian string w[], times 2^kKeyShift (a
+// table key's byte offset: 32 or 16 lanes of 4 bytes), in one shift and, with the lane's byte
+// offset, one LOP3.
+template <int bit, int width, int kKeyShift>
 __device__ __forceinline__ uint32_t key_offset(const uint32_t (&w)[4], uint32_t lane_bytes) {
   static_assert(bit + width <= 128, "the string has 4 words");
   constexpr int word = bit / 32, shift = bit % 32;
-  constexpr uint32_t mask = ((1u << width) - 1u) << 7;
+  constexpr uint32_t mask = ((1u << width) - 1u) << kKeyShift;
   uint32_t moved;
-  if constexpr (shift + width > 32) moved = __funnelshift_r(w[word], w[word + 1], shift - 7);
-  else if constexpr (shift >= 7) moved = w[word] >> (shift - 7);
-  else moved = w[word] << (7 - shift);
+  if constexpr (shift + width > 32) moved = __funnelshift_r(w[word], w[word + 1], shift - kKeyShift);
+  else if constexpr (shift >= kKeyShift) moved = w[word] >> (shift - kKeyShift);
+  else moved = w[word] << (kKeyShift - shift);
   // (moved & mask) | lane_bytes in one LOP3: left to itself, the compiler folds the lane's `& 31` into
   // every key and splits the merge in two (16-row kernels).
   uint32_t key;
@@ -195,9 +192,9 @@ __device__ __forceinline__ void unrolled(F&& f) {
 // steps).
 template <int R, int kN, int kM>
 struct Layout {
-  static constexpr bool kPairs = pair_keys(R, kN, kM);
-  using F = Family<kN, kM, kPairs>;
-  static constexpr int kTableBytes = static_cast<int>(sizeof(SelectorTable<kN, kM, kPairs>));
+  static constexpr int kTableLanes = table_lanes(R, kN, kM), kKeyShift = kTableLanes == 32 ? 7 : 6;
+  using F = Family<kN, kM>;
+  static constexpr int kTableBytes = static_cast<int>(sizeof(SelectorTable<kN, kM, kTableLanes>));
   static constexpr int kRingBytes = kWarps * kDepth * kStageBytes;
   static constexpr int kPartialBytes = 2 * kWarps * R * kPartialStride * 4;
   static constexpr int kRingOffset = kTableBytes;
@@ -432,7 +429,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   constexpr int kTableChunks = L::kTableBytes / 16;
   for (int i = threadIdx.x; i < kTableChunks; i += kThreads)
     cp_async16(smem_addr(smem + 16 * i),
-               reinterpret_cast<const unsigned char*>(&kSelectorTable<kN, kM, L::kPairs>) + 16 * i, true);
+               reinterpret_cast<const unsigned char*>(&kSelectorTable<kN, kM, L::kTableLanes>) + 16 * i, true);
   Step next{};
   at_tile(next, blockIdx.x);
   int early[kDepth - 1];  // the steps issued before the wait, while they are the first tile's
@@ -471,9 +468,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   // its offset fields sit that many fields further along the step's offset string than the
   // compile-time positions below.
   const int lane_group = kM == 4 ? q >> 1 : 0;
-  const uint32_t lane_bytes = static_cast<uint32_t>(lane) * 4;
-  // Four entries a group: the keys of a value word's high half follow its low half's.
-  [[maybe_unused]] const uint32_t odd_bytes = lane_bytes + (1u << (F::kBits + 7));
+  const uint32_t lane_bytes = static_cast<uint32_t>(lane % L::kTableLanes) * 4;
+  constexpr int kShift = L::kKeyShift;
   const unsigned char* table = smem;
   auto lookup = [&](uint32_t offset) { return *reinterpret_cast<const uint32_t*>(table + offset); };
   // ldmatrix row addresses of the activations (the MMA's B, K x rows): lanes 0-7 rows 0-7 at +0,
@@ -517,25 +513,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
       for (int h = 0; h < 2; ++h) {
         if constexpr (kN == 4) {
           // Entries 4G .. 4G + 3 of the step are group G's: word 2G holds the first two, 2G + 1
-          // the last two. A word's two entries key its selector (kPairs), or each entry's offset
-          // keys its own and a word's two are ORed (a position holds at most one entry). Then the
-          // two words' PRMTs are ORed likewise. Groups of 16: the slab's one group gives
+          // the last two, and each word's two entries key its selector. The two words' PRMTs are
+          // ORed (a position holds at most one entry). Groups of 16: the slab's one group gives
           // both of the lane's words (the selectors' halves); groups of 8: word w is group
           // 2 * slab + w's.
           auto group_selectors = [&](auto group_constant, uint32_t& low, uint32_t& high) {
             constexpr int kGroup = decltype(group_constant)::value;
-            if constexpr (L::kPairs) {  // a word's two entries key its selector
-              low = lookup(key_offset<4 * kGroup * F::kBits, 2 * F::kBits>(offsets[h], lane_bytes));
-              high = lookup(key_offset<(4 * kGroup + 2) * F::kBits, 2 * F::kBits>(offsets[h], lane_bytes));
-            } else {
-              uint32_t entry[4];
-              unrolled<4>([&](auto e_constant) {
-                constexpr int e = decltype(e_constant)::value;
-                const uint32_t lane_key = e & 1 ? odd_bytes : lane_bytes;
-                entry[e] = lookup(key_offset<(4 * kGroup + e) * F::kBits, F::kBits>(offsets[h], lane_key));
-              });
-              low = entry[0] | entry[1], high = entry[2] | entry[3];
-            }
+            low = lookup(key_offset<4 * kGroup * F::kBits, 2 * F::kBits, kShift>(offsets[h], lane_bytes));
+            high = lookup(key_offset<(4 * kGroup + 2) * F::kBits, 2 * F::kBits, kShift>(offsets[h], lane_bytes));
           };
           if constexpr (kM == 16) {
             uint32_t low, high;
@@ -554,14 +539,16 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
         } else if constexpr (kN == 1) {
           // Entry G of the step is group G's; word G / 2 holds it, in the half the selector picks.
           constexpr int kGroup = slab * (16 / kM);  // the first word's group, less lane_group
-          const uint32_t selector = lookup(key_offset<kGroup * F::kFieldBits, F::kKeyBits>(offsets[h], lane_bytes));
+          const uint32_t selector =
+              lookup(key_offset<kGroup * F::kFieldBits, F::kKeyBits, kShift>(offsets[h], lane_bytes));
           a[h] = prmt(0u, values[h][kGroup >> 1], selector);
           a[2 + h] = prmt(0u, values[h][(kGroup + F::kApart) >> 1], selector >> 16);
         } else {
           unrolled<2>([&](auto w_constant) {
             constexpr int w = decltype(w_constant)::value;
             constexpr int kGroup = slab * (16 / kM) + w * F::kApart;  // less lane_group
-            const uint32_t selector = lookup(key_offset<kGroup * F::kFieldBits, F::kFieldBits>(offsets[h], lane_bytes));
+            const uint32_t selector =
+                lookup(key_offset<kGroup * F::kFieldBits, F::kFieldBits, kShift>(offsets[h], lane_bytes));
             // Entries 2G, 2G + 1 of the step are group G's: word G.
             const uint32_t word =
                 kM == 8 ? values[h][kGroup] : (lane_group ? values[h][kGroup + 1] : values[h][kGroup]);

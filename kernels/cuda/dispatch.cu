@@ -13,7 +13,7 @@
 // auto|decode|decode_mma|wgmma_sp at 1-8 rows on nine shapes, 2048 x 2048 to 4096 x 28672):
 //  * 2:4, 1:4, 2:8 and 1:8 from a few rows (fp16/bf16, K % 8 == 0, the activations of the whole K
 //    in the shared memory of one block or, K split over a cluster on compute capability 9.0, of
-//    up to 8: K up to 36864-38912 at 9..16 rows, 68608-83968 at 1..8, by family): the
+//    up to 8: K up to 34816-38912 at 9..16 rows, 68608-83968 at 1..8, by family): the
 //    decode-sized tensor-core kernel (decode_mma.cu), to 16 rows (2:4 to 8). Where Nout <= 1024
 //    it starts at 1 row for groups of 4 (1:4, 2:4) and 2 for groups of 8 (session 38: 1.08x and
 //    1.26x decode at 1 row on 4096 x 1024 for 1:4 and 2:4, level for 1:8 and 2:8; session 36:
@@ -32,7 +32,7 @@
 //    1.03-1.05x at 3-4 rows there), and 2:4 takes the sparse tensor cores from 3 rows (session 37:
 //    against the rule before, 1.07-1.97x at 3-16 rows on 11008 and 14336 x 4096 where the choice
 //    changed).
-//  * 4:8 and 4:16 (fp16/bf16, the same K limits but 4:16's at 1..8 rows, 68608) on decode_mma
+//  * 4:8 and 4:16 (fp16/bf16, the same K limits but 4:16's, 34816 and 68608) on decode_mma
 //    (session 46, H100, ab_kernels --path decode|decode_mma|mma at 1-16 rows on eight shapes, 4096
 //    x 1024 to 4096 x 28672: at 12-16 rows 1.55-2.96x the faster of decode and mma everywhere).
 //    Session 48 (pair keys; H100, ab_kernels --path decode_mma --path decode at 2-16 rows on seven
@@ -431,7 +431,7 @@ CudaPath choose_path(const CudaMatMul& call) {
   // 3 up to 16384 wide, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read
   // a 2:4 copy on the sparse tensor cores from 9 rows. 4:8 and 4:16 like groups of 8, from 3 rows
   // up to 4096 wide. Where its K does not fit (K past
-  // 36864-38912 at 9..16 rows, 68608-83968 at 1..8), 2:4 at 5-8 rows takes the sparse tensor cores
+  // 34816-38912 at 9..16 rows, 68608-83968 at 1..8), 2:4 at 5-8 rows takes the sparse tensor cores
   // and the rest decode. Where it splits K over a cluster (K past one block's shared memory, as in
   // the down projections), groups of 8 (and 4:8, 4:16) start at 5 rows while decode stages K in one chunk (session
   // 37: decode 1.04-1.18x at 4 rows on 11008 x 4096, decode_mma 1.14-1.24x on 14336 x 4096 in two
