@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds nmcli's extension here for the GPU machine's Python and packs the `nmcli` package (without
-# the ORT op library unless NMCLI_PACK_OPS=1) into one xz archive to carry there, so a kernel change costs no build time on
-# the lent GPU (BENCHMARKS.md, session 42: 15 MB, where a build there took 100-165 s of device
-# time). PYTHON must be that Python's version (3.12 on the GPU image) with scikit-build-core,
-# pybind11, cmake and ninja installed; the tree's build/<tag> folder keeps rebuilds incremental.
+# the ORT op library unless NMCLI_PACK_OPS=1) into one xz archive to carry there, so a kernel
+# change costs no build time on the lent GPU (BENCHMARKS.md, session 42: 15 MB, where a build
+# there took 100-165 s of device time). PYTHON must be that Python's version (3.12 on the GPU
+# image) with scikit-build-core, pybind11, cmake and ninja installed; the tree's build/<tag>
+# folder keeps rebuilds incremental.
 #
 #   ~/.pyenv/versions/3.12.1/bin/python -m venv /tmp/py312
 #   /tmp/py312/bin/pip install scikit-build-core pybind11 cmake ninja

@@ -430,13 +430,12 @@ CudaPath choose_path(const CudaMatMul& call) {
   // 1 row (groups of 4) or 2 (groups of 8), else from 3 for groups of 4 and, for groups of 8, from
   // 3 up to 16384 wide, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read
   // a 2:4 copy on the sparse tensor cores from 9 rows. 4:8 and 4:16 like groups of 8, from 3 rows
-  // up to 4096 wide. Where its K does not fit (K past
-  // 34816-38912 at 9..16 rows, 68608-83968 at 1..8), 2:4 at 5-8 rows takes the sparse tensor cores
-  // and the rest decode. Where it splits K over a cluster (K past one block's shared memory, as in
-  // the down projections), groups of 8 (and 4:8, 4:16) start at 5 rows while decode stages K in one chunk (session
-  // 37: decode 1.04-1.18x at 4 rows on 11008 x 4096, decode_mma 1.14-1.24x on 14336 x 4096 in two
-  // chunks), and 2:4 takes the sparse tensor cores from 3 rows (1.02-1.16x decode_mma at 3-8 rows
-  // there).
+  // up to 4096 wide. Where its K does not fit (K past 34816-38912 at 9..16 rows, 68608-83968 at
+  // 1..8), 2:4 at 5-8 rows takes the sparse tensor cores and the rest decode. Where it splits K
+  // over a cluster (K past one block's shared memory, as in the down projections), groups of 8
+  // (and 4:8, 4:16) start at 5 rows while decode stages K in one chunk (session 37: decode
+  // 1.04-1.18x at 4 rows on 11008 x 4096, decode_mma 1.14-1.24x on 14336 x 4096 in two chunks),
+  // and 2:4 takes the sparse tensor cores from 3 rows (1.02-1.16x decode_mma at 3-8 rows there).
   const bool sparse = 4 * call.shape.n <= call.shape.m;
   const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
   const int64_t nout = call.shape.nout;

@@ -52,7 +52,8 @@ constexpr int64_t kStagedCopyMinOutputs = int64_t{3} << 20;
 // Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).
 CudaPath choose_path(const CudaMatMul& call);
 // Whether `path` can run this call (decode: rows <= 16; decode_mma: fp16/bf16, 1:4, 2:4, 1:8, 2:8,
-// 4:8 or 4:16, rows <= 16, K % 8 == 0, the activations of all of K in shared memory, 16-byte aligned X; mma: fp16/bf16 with M in {2,4,8,16};
+// 4:8 or 4:16, rows <= 16, K % 8 == 0, the activations of all of K in shared memory, 16-byte
+// aligned X; mma: fp16/bf16 with M in {2,4,8,16};
 // wgmma: fp16/bf16 on compute capability 9.0, K % 8 == 0, the families wgmma.cu compiles;
 // wgmma_sp: the same for 2:4, 1:4, 2:8 and 1:8, or any pattern with a 2:4 copy; vector: `vector`
 // a multiple of 32, N and M powers of two with N/M in {1/2, 1/4, 1/8}, K a multiple of 4 (fp32)
