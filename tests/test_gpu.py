@@ -78,6 +78,9 @@ def paths_for(rows, pattern, dtype_name, k):
 @pytest.mark.parametrize("n,m", FAMILIES + [(3, 7), (4, 8), (8, 16), (2, 16)])
 @pytest.mark.parametrize("dtype_name", ["float16", "float32", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (2, 1000, 64), (3, 777, 33), (5, 300, 1), (8, 4099, 130),
+                                         # decode's whole-row walk (135 tiles of 32 rows on 132 SMs,
+                                         # the last partial; 2:8 rows of three steps, the last partial)
+                                         (1, 4104, 4300),
                                          (9, 515, 200), (16, 2048, 77), (17, 130, 300), (64, 1024, 96),
                                          (100, 333, 65), (1100, 264, 3900), (1100, 200, 3900),
                                          # decode: activations staged in several K chunks; many row tiles per block
@@ -366,7 +369,8 @@ def test_vector_path_split_outputs_residual_and_gate(rng, dtype_name):
 @pytest.mark.parametrize("prologue", ["glu", "norm"])
 @pytest.mark.parametrize("dtype_name", ["float16", "float32", "bfloat16"])
 @pytest.mark.parametrize("n,m", [(2, 8), (2, 4), (4, 16)])
-@pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (5, 300, 33), (12, 1000, 200), (17, 130, 300),
+@pytest.mark.parametrize("rows,k,nout", [(1, 4096, 257), (1, 1000, 4500), (5, 300, 33), (12, 1000, 200),
+                                         (17, 130, 300),
                                          (64, 1024, 2048), (300, 520, 130), (2, 60000, 40),
                                          # the sparse tensor cores stage a 2:4 copy of 2:8 after A
                                          (4100, 136, 1000)])
@@ -400,9 +404,11 @@ def test_cuda_paths_fuse_residual_and_prologue(rng, prologue, dtype_name, n, m, 
 
 
 @pytest.mark.parametrize("nm", ["2:4", "2:8"])
-@pytest.mark.parametrize("path,rows", [("auto", 96), ("wgmma_sp", 40), ("decode", 1), ("decode_mma", 8),
-                                       ("auto", 4100)])
-def test_back_to_back_calls_see_each_others_outputs(rng, nm, path, rows):
+@pytest.mark.parametrize("path,rows,wide", [("auto", 96, 2048), ("wgmma_sp", 40, 2048), ("decode", 1, 2048),
+                                            ("decode_mma", 8, 2048), ("auto", 4100, 2048),
+                                            # decode's whole-row walk for the first call (256 tiles)
+                                            ("decode", 2, 8192)])
+def test_back_to_back_calls_see_each_others_outputs(rng, nm, path, rows, wide):
     """Three calls on one stream with nothing between them: A reads b0 and writes b1, B reads b1
     and writes b2, C reads b2 and overwrites b0. Kernels launched as programmatic dependents start
     before the previous one ends, so they must wait before reading its output and before writing
@@ -410,7 +416,7 @@ def test_back_to_back_calls_see_each_others_outputs(rng, nm, path, rows):
     which each rewrites while the one before may still read it. Each call is checked against the
     float64 reference of its own input as read back afterwards; three rounds, each from fresh data."""
     pattern = NMPattern.parse(nm)
-    widths = [1024, 2048, 1024, 1024]  # b0 -> b1 -> b2 -> b0
+    widths = [1024, wide, 1024, 1024]  # b0 -> b1 -> b2 -> b0
     weights = [pack(w, choose_offsets(np.abs(w), pattern), pattern)
                for w in (random_array(rng, (k, n), "float16") for k, n in zip(widths, widths[1:]))]
     vds = [to_device(packed.values, "float16") for packed in weights]

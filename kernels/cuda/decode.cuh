@@ -19,6 +19,9 @@
 //  * What bounds a 1-row call is instruction issue (session 16, Nsight Compute: the schedulers
 //    issue on 80% of cycles), so the inner loop is written for few instructions per entry: one
 //    shift and one LOP3 place an entry's offset field in its shared-memory address.
+//  * Where K is staged once and a block walks several row tiles, at 1-2 rows, a leaner walk of
+//    whole rows (kWalkRows): each warp's loads move along the row from pointers, and what depends
+//    only on the lane is computed once (0.98-1.06x on the wide LLaMA projections, session 49).
 //  * Common N:M families are compiled with N, M and B as constants (group index by shift,
 //    offset extraction by constant shifts); any other pattern takes the runtime-N:M variant.
 //  * Activations are staged once per block in shared memory, the R rows of a position side by
@@ -200,8 +203,15 @@ struct Step {
   int tile, g0, vb;
 };
 
-// kN == 0: the pattern is read from the parameters (any valid N:M).
+// Whether decode_kernel<T, R, kN, kM> has the whole-row walk (kWalkRows; launch says where it is
+// taken): compile-time families whose vectors cover aligned runs, at 1-2 rows, but 1:8, which it
+// made 0.96-0.98x as fast wherever it was tried (BENCHMARKS.md, session 49).
 template <typename T, int R, int kN, int kM>
+constexpr bool kHasRowWalk = run_positions<T, kN, kM>() > 0 && R <= 2 && !(kN == 1 && kM == 8);
+
+// kN == 0: the pattern is read from the parameters (any valid N:M). kWalkRows: K fits one staged
+// chunk, and the warps walk whole rows (below).
+template <typename T, int R, int kN, int kM, bool kWalkRows = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(DecodeParamsT<T> p) {
   using S = StageT<T, R>;
   constexpr int VEC = 16 / sizeof(T);             // entries per 16-byte vector
@@ -296,6 +306,33 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
 
+  // Compile-time families: multiplies the vector `vals` of run `run` into acc, `offs` holding its
+  // entries' offset fields from bit 0. Position d + off of the run sits d + off rows of 32 slots
+  // below its first. Run slots use bits below 5 and from 5 + log2(run) up, and d + off < run, so in
+  // bytes the entry's address is base | off << kRowShift, plus the constant d << kRowShift: one
+  // shift and one LOP3 per entry move its offset field into place (the sum as written took five
+  // integer instructions per entry, BENCHMARKS.md session 16).
+  auto multiply_run = [&](const uint4& vals, Off offs, unsigned run) {
+    if constexpr (kVectorBase) {
+      static_assert((Layout::kRun & (Layout::kRun - 1)) == 0, "the OR needs a power-of-two run");
+      constexpr int kRowShift = 5 + ilog2(R * static_cast<int>(sizeof(S)));
+      const uint32_t base = static_cast<uint32_t>(Layout::run_slot(run)) << (kRowShift - 5);
+      const unsigned char* xs_bytes = reinterpret_cast<const unsigned char*>(xs);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const int d = (i / kN) * kM;
+        const int up = kRowShift - i * bits;  // moves field i to bit kRowShift
+        const Off field = up >= 0 ? offs << up : offs >> -up;
+        const uint32_t at = (static_cast<uint32_t>(field) & (mask << kRowShift)) | base;
+        float x[R];
+        load_position<S, R>(reinterpret_cast<const S*>(xs_bytes + at + (d << kRowShift)), x);
+        const float w = vec_entry<T>(vals, i);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = fmaf(w, x[r], acc[r]);
+      }
+    }
+  };
+
   // Multiplies the step's entries into acc.
   auto compute_step = [&](const uint4 (&vals)[U], const uint2 (&words)[U], Step s) {
     const int end = v_end(s.g0);
@@ -310,28 +347,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
       if (v >= end) continue;
       const int e0 = v * VEC - e_begin;  // entry index within the chunk
       if constexpr (kVectorBase) {
-        // The vector covers run e0 / VEC; position d + off of the run sits d + off rows of 32
-        // slots below its first. Run slots use bits below 5 and from 5 + log2(run) up, and
-        // d + off < run, so in bytes the entry's address is base | off << kRowShift, plus the
-        // constant d << kRowShift: one shift and one LOP3 per entry move its offset field into
-        // place (the sum as written took five integer instructions per entry, BENCHMARKS.md
-        // session 16).
-        static_assert((Layout::kRun & (Layout::kRun - 1)) == 0, "the OR needs a power-of-two run");
-        constexpr int kRowShift = 5 + ilog2(R * static_cast<int>(sizeof(S)));
-        const uint32_t base = static_cast<uint32_t>(Layout::run_slot(static_cast<unsigned>(e0) / VEC)) << (kRowShift - 5);
-        const unsigned char* xs_bytes = reinterpret_cast<const unsigned char*>(xs);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const int d = (i / kN) * kM;
-          const int up = kRowShift - i * bits;  // moves field i to bit kRowShift
-          const Off field = up >= 0 ? offs[u] << up : offs[u] >> -up;
-          const uint32_t at = (static_cast<uint32_t>(field) & (mask << kRowShift)) | base;
-          float x[R];
-          load_position<S, R>(reinterpret_cast<const S*>(xs_bytes + at + (d << kRowShift)), x);
-          const float w = vec_entry<T>(vals[u], i);
-#pragma unroll
-          for (int r = 0; r < R; ++r) acc[r] = fmaf(w, x[r], acc[r]);
-        }
+        multiply_run(vals[u], offs[u], static_cast<unsigned>(e0) / VEC);  // the vector covers run e0 / VEC
       } else {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
@@ -370,23 +386,106 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
   };
 
+  // Before the first staging. The weights are constants, so the first steps' loads were issued
+  // before this point; the activations (and every write) wait for the kernel that produced them.
+  auto before_first_staging = [&]() {
+    wait_for_previous_kernel();
+    allow_next_kernel();
+    if (!kEarlyClear && p.norm_weight) {
+      if (threadIdx.x < kDecodeMaxRows) norm_sumsq[threadIdx.x] = 0.f;
+      __syncthreads();
+    }
+  };
+
+  // Rows walked whole, K staged once (compile-time families, 1-2 rows): the general walk below
+  // recomputes every step's row, chunk and 64-bit addresses (about 245 instructions a step of
+  // 512 entries at 1 row, 2:8, against 80 for the multiplies: Nsight Compute, BENCHMARKS.md
+  // session 49). Here a warp's cursor moves its lane's pointers along the row, and what depends
+  // only on the lane -- each vector's offset word and shift, its run's slot -- is computed once.
+  if constexpr (kWalkRows) {  // the general walk below is then unreachable
+    static_assert(kHasRowWalk<T, R, kN, kM>, "the families and row counts that have it");
+    static_assert(VEC * index_bits(kM) <= 32, "a vector's offset bits lie in two words, shifted into one");
+    constexpr int kStepWords = U * VEC * index_bits(kM);  // offset words a step moves on (32 * U vectors)
+    const int row_steps = (nvec + 32 * U - 1) / (32 * U);
+    int lane_word[U], lane_shift[U];
+    bool two_words[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int bit = (lane + 32 * u) * vec_bits;
+      lane_word[u] = bit >> 5, lane_shift[u] = bit & 31, two_words[u] = (bit & 31) + vec_bits > 32;
+    }
+    struct Cursor {
+      int tile, step;
+      bool live;  // the warp's row exists
+      const uint4* values;     // the lane's first vector of the step
+      const uint32_t* words;   // the step's first offset word
+    };
+    auto row_start = [&](int tile) {
+      const int64_t row = row_of(tile);
+      const bool live = row < p.nout;
+      const int64_t r = live ? row : 0;
+      return Cursor{tile, 0, live, reinterpret_cast<const uint4*>(p.values + r * p.row_len) + lane,
+                    p.indices + r * p.index_words};
+    };
+    auto next = [&](Cursor c) {
+      if (++c.step == row_steps) return row_start(c.tile + gridDim.x);
+      c.values += 32 * U, c.words += kStepWords;
+      return c;
+    };
+    auto load = [&](uint4 (&v)[U], uint2 (&w)[U], const Cursor& c) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        v[u] = make_uint4(0, 0, 0, 0), w[u] = make_uint2(0, 0);
+        if (c.live && c.step * 32 * U + lane + 32 * u < nvec) {
+          v[u] = load_stream16(c.values + 32 * u);
+          w[u].x = __ldg(c.words + lane_word[u]);
+          if (two_words[u]) w[u].y = __ldg(c.words + lane_word[u] + 1);
+        }
+      }
+    };
+    auto multiply = [&](const uint4 (&v)[U], const uint2 (&w)[U], const Cursor& c) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int vec = c.step * 32 * U + lane + 32 * u;  // K staged from 0: vector vec covers run vec
+        if (vec < nvec) multiply_run(v[u], static_cast<Off>(aligned(w[u], lane_shift[u])), static_cast<unsigned>(vec));
+      }
+    };
+    // Two register buffers, as below: a step's buffer is refilled with the step after next as soon
+    // as it has been multiplied; the first two steps' loads go out before the staging.
+    static_assert(kDepth == 2, "two register buffers");
+    uint4 v[2][U];
+    uint2 w[2][U];
+    Cursor current = row_start(static_cast<int>(blockIdx.x)), ahead = current;
+    load(v[0], w[0], current);
+    ahead = next(ahead);
+    if (ahead.tile < tiles) load(v[1], w[1], ahead);
+    before_first_staging();
+    stage_activations<T, S, R, Layout>(p, xs, 0, p.norm_weight ? norm_sumsq : nullptr);
+    __syncthreads();
+    // One step from buffer b (a constant, so the buffers stay in registers); true when the walk ends.
+    auto step = [&](auto b) {
+      constexpr int kB = decltype(b)::value;
+      multiply(v[kB], w[kB], current);
+      if (current.step + 1 == row_steps) finish_row(current.tile);
+      current = next(current);
+      ahead = next(ahead);
+      if (ahead.tile < tiles) load(v[kB], w[kB], ahead);
+      return current.tile >= tiles;
+    };
+    while (!step(std::integral_constant<int, 0>{}) && !step(std::integral_constant<int, 1>{})) {
+    }
+    return;
+  }
+
   bool staged = false;
   // Stages the chunk's activations when the step opens it (block-uniform: every warp of the block
   // walks the same steps), multiplies, and finishes the row after its last step.
   auto process = [&](const uint4 (&vals)[U], const uint2 (&offs)[U], Step s, Step next) {
     if (s.vb == v_begin(s.g0) && (!staged || !single_chunk)) {
-      if (staged) {
+      if (staged)
         __syncthreads();  // every warp is done with the previous chunk
-      } else {
-        // The weights are constants, so the first kDepth steps' loads were issued before this
-        // point; the activations (and every write) wait for the kernel that produced them.
-        wait_for_previous_kernel();
-        allow_next_kernel();
-        if (!kEarlyClear && p.norm_weight) {
-          if (threadIdx.x < kDecodeMaxRows) norm_sumsq[threadIdx.x] = 0.f;
-          __syncthreads();
-        }
-      }
+      else
+        before_first_staging();
       const bool first_pass = s.tile == static_cast<int>(blockIdx.x);
       stage_activations<T, S, R, Layout>(p, xs, static_cast<int64_t>(s.g0) * m,
                                          p.norm_weight && first_pass ? norm_sumsq : nullptr);
@@ -424,13 +523,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
 
 // Blocks of decode_kernel<T, R, kN, kM> resident per SM with `smem` bytes of dynamic shared
 // memory (at least 1); remembered per kernel for the last size asked, nearly always the next one.
-template <typename T, int R, int kN, int kM>
+template <typename T, int R, int kN, int kM, bool kWalkRows>
 int resident_blocks(size_t smem) {
   static std::atomic<uint64_t> last{0};  // smem << 8 | blocks
   const uint64_t seen = last.load(std::memory_order_relaxed);
   if (seen != 0 && (seen >> 8) == smem) return static_cast<int>(seen & 0xff);
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_kernel<T, R, kN, kM>, kThreads, smem) != cudaSuccess ||
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_kernel<T, R, kN, kM, kWalkRows>, kThreads,
+                                                    smem) != cudaSuccess ||
       blocks < 1)
     blocks = 1;
   blocks = std::min(blocks, 255);
@@ -459,15 +559,31 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
   const size_t smem =
       static_cast<size_t>(LayoutFor<T, kN, kM>::capacity(p.staged_positions)) * R * sizeof(StageT<T, R>);
 
-  if (cudaError_t e = allow_dynamic_smem<decode_kernel<T, R, kN, kM>>(kStageBytes + 4096); e != cudaSuccess) return e;
   // Persistent grid (persistent_blocks): the activations are staged once per block and no wave of
   // blocks drains the memory pipe. Programmatic dependent launch: the grid may start while the
   // previous kernel drains, so its launch and first weight loads overlap that kernel's tail
   // (decode calls are a few us long).
   const int64_t tiles = (p.nout + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int64_t slots = static_cast<int64_t>(resident_blocks<T, R, kN, kM>(smem)) * multiprocessor_count();
-  return launch_split_k(decode_kernel<T, R, kN, kM>, dim3(persistent_blocks(tiles, slots)), kThreads, smem, stream, 1,
-                        true, p);
+  auto slots = [&](auto walk_rows) {
+    return static_cast<int64_t>(resident_blocks<T, R, kN, kM, walk_rows()>(smem)) * multiprocessor_count();
+  };
+  auto launch_kernel = [&](auto walk_rows) {
+    constexpr auto kernel = decode_kernel<T, R, kN, kM, walk_rows()>;
+    if (cudaError_t e = allow_dynamic_smem<kernel>(kStageBytes + 4096); e != cudaSuccess) return e;
+    return launch_split_k(kernel, dim3(persistent_blocks(tiles, slots(walk_rows))), kThreads, smem, stream, 1, true,
+                          p);
+  };
+  // The whole-row walk where K is staged once and blocks walk more than one tile. Against the
+  // general walk at 1-2 rows (BENCHMARKS.md, session 49), 2:8, 2:4, 1:4 and 4:16: 1.00-1.06x on
+  // 4096 x 11008, 14336 and 28672 (3-7 tiles a block), 0.98-1.03x on 4096 x 12288; with a tile a
+  // block, where it is not taken, 0.98-1.01x on 14336 x 4096 and 0.93-1.00x on 4096 x 4096.
+  if constexpr (kHasRowWalk<T, R, kN, kM>) {
+    // (the occupancy query after the shared-memory cap is raised, as for every launch)
+    if (cudaError_t e = allow_dynamic_smem<decode_kernel<T, R, kN, kM, true>>(kStageBytes + 4096); e != cudaSuccess)
+      return e;
+    if (p.chunk_groups >= p.groups && tiles > slots(std::true_type{})) return launch_kernel(std::true_type{});
+  }
+  return launch_kernel(std::false_type{});
 }
 
 template <int V>
