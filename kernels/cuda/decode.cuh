@@ -205,7 +205,7 @@ struct Step {
 
 // Whether decode_kernel<T, R, kN, kM> has the whole-row walk (kWalkRows; launch says where it is
 // taken): compile-time families whose vectors cover aligned runs, at 1-2 rows, but 1:8, which it
-// made 0.96-0.98x as fast wherever it was tried (BENCHMARKS.md, session 49).
+// made 0.96-1.00x as fast where launch would take it (BENCHMARKS.md, session 49).
 template <typename T, int R, int kN, int kM>
 constexpr bool kHasRowWalk = run_positions<T, kN, kM>() > 0 && R <= 2 && !(kN == 1 && kM == 8);
 
