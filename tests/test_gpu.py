@@ -156,6 +156,25 @@ def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nou
     assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
 
 
+@pytest.mark.parametrize("n,m", [(1, 4), (1, 8), (2, 8)])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows,k,nout", [(640, 11264, 4000), (300, 4096, 1030), (100, 2048, 520), (40, 4096, 1000)])
+def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_name, rows, k, nout):
+    """The regrouping kernel where rows of offset words are 16-byte multiples (K a multiple of 128
+    here, for 1:4, 2:8 and 1:8): each group of steps' words come as one tensor copy of a window from
+    the 16-byte boundary before the group's first bit (wgmma_sp.cu, OffsetWindow). Stream-K over 96
+    tiles of 256 rows (the last overlapping the one before), 256-, 128- and 64-row tiles, Nout off
+    the 128-row tile (the window past Nout reads zeros), K split over a cluster. Outputs poisoned."""
+    if not kernels.cuda_path_supported("wgmma_sp", rows, n, m, dtype_name, k):
+        pytest.skip("no sm_90a device")
+    pattern = NMPattern(n, m)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
+    assert packed.indices.shape[1] % 4 == 0  # the rows the tensor copies take
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    [y] = run_cuda(x, packed, bias, 0.75, dtype_name, "wgmma_sp")
+    assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
+
+
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]
 
 

@@ -357,7 +357,34 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
   }
 }
 
-// Regroups regrouping thread i's share of step t: the chunks that consumer threads
+// Where a step's offset words lie: `rows` (row r's at rows + r * per_row), the step's first offset
+// bit at bit `first_bit` of each row's first word. Copied by the producer's lanes (cp.async), a
+// step's packed tile holds, after its values, the kIndexWords of each row from the word with the
+// step's first bit; by tensor copy, where rows of offset words may be tensor tiles
+// (offset_rows_aligned), the first stage of each group of kGroup steps holds the group's: one box
+// of kWindowWords a row from the 16-byte boundary at or before the group's first bit, as a box
+// must start there.
+struct OffsetWindow {
+  const uint32_t* rows;
+  int first_bit, per_row;
+  // 48-byte rows: a word of 8 consecutive rows falls in 8 different banks (in 8-word rows, in 4:
+  // A9 in BENCHMARKS.md, session 49)
+  static constexpr int kWindowWords = 12;
+  template <typename F, int kGroup>
+  __host__ __device__ static int64_t first_word(int64_t t, bool tensor) {
+    return tensor ? F::first_word(t - t % kGroup) & ~int64_t{3} : F::first_word(t);
+  }
+  // Step t in ring slot s; `tile(s)`: a stage's packed tile.
+  template <typename F, int kGroup, typename Tile>
+  __device__ static OffsetWindow of(int64_t t, int s, bool tensor, Tile&& tile) {
+    const int64_t bit = t * F::kEntries * F::kBits;
+    return {reinterpret_cast<const uint32_t*>(tile(tensor ? s - s % kGroup : s) + F::kValues),
+            static_cast<int>(bit - first_word<F, kGroup>(t, tensor) * 32), tensor ? kWindowWords : F::kIndexWords};
+  }
+};
+
+// Regroups regrouping thread i's share of a step (`words`: where its offset words lie, OffsetWindow):
+// the chunks that consumer threads
 // v = i + j * kRegroupThreads of the 256 would own -- K positions 16q..16q+15 (q = v % 4) of the
 // block-tile rows `row` and row + 8 of v's place in the MMA layout -- from the packed tile into
 // the 2:4 tile (64-byte swizzle) and v's metadata word (row in bits 0-15, row + 8 in 16-31) at
@@ -366,7 +393,7 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
 // the tile that the compiler cannot tell from the next chunk's reads would serialise the chunks,
 // and a few regrouping warps have little else to hide that latency with.
 template <int kN, int kM, int kRegroupThreads>
-__device__ __forceinline__ void regroup_share(const uint8_t* packed, int64_t t, int i, uint8_t* a_tile,
+__device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindow words, int i, uint8_t* a_tile,
                                               uint32_t* meta, const uint2* table) {
   using R = Regroup<kN, kM>;
   using F = typename R::F;
@@ -381,13 +408,13 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, int64_t t, 
     const int v = live(j) ? i + j * kRegroupThreads : i, w = v >> 5, l = v & 31;
     rows[j] = (w >> 2) * 64 + (w & 3) * 16 + (l >> 2);
     qs[j] = l & 3;
-    const int bit = F::first_bit(t) + qs[j] * R::kChunkBits, word = bit >> 5, shift = bit & 31;
+    const int bit = words.first_bit + qs[j] * R::kChunkBits, word = bit >> 5, shift = bit & 31;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rows[j] + 8 * h;
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(packed + F::kValues) + r * F::kIndexWords;
+      const uint32_t* row_words = words.rows + r * words.per_row;
       // The chunk's offset bits never reach past the step's copied words (min keeps the read in them).
-      codes[j][h] = __funnelshift_r(words[word], words[min(word + 1, F::kIndexWords - 1)], shift);
+      codes[j][h] = __funnelshift_r(row_words[word], row_words[min(word + 1, words.per_row - 1)], shift);
       const uint8_t* stored = packed + r * F::kValueBytes + qs[j] * R::kChunkEntries * 2;
       if constexpr (R::kChunkEntries * 2 == 8) {
         const uint2 u = *reinterpret_cast<const uint2*>(stored);
@@ -433,13 +460,16 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, int64_t t, 
 // regrouped 2:4 tile (64-byte swizzle), the packed tile as copied (values, then offset words) and
 // the regrouped tile's metadata words; a ring of kStages steps, then the stages' "full", "ready"
 // and "empty" barriers, then the regrouping table. kPerSm blocks share an SM: 1, or 2 with a ring
-// of at most 100 KB each (two_per_sm_split).
+// of at most 100 KB each (two_per_sm_split), whose offset words always go by cp.async (room for
+// the tensor copies' wider rows would leave it too few stages).
 template <int kN, int kM, int kRows, int kPerSm = 1>
 struct RegroupLayout {
   using F = sm90::Family<kN, kM>;
+  static constexpr bool kTensorOffsets = kPerSm == 1;  // where offset_rows_aligned (OffsetWindow)
+  static constexpr int kOffsetWords = kTensorOffsets ? OffsetWindow::kWindowWords : F::kIndexWords;  // a row's room
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
   static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
-  static constexpr size_t kPacked = (F::kTileBytes + 127) / 128 * 128;
+  static constexpr size_t kPacked = (F::kValues + kTileW * kOffsetWords * 4 + 127) / 128 * 128;
   static constexpr size_t kMeta = kThreads * 4;
   static constexpr size_t kStage = (kX + kA + kPacked + kMeta + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
   static constexpr int kFit = static_cast<int>((kPerSm == 1 ? 216 : 100) * 1024 / kStage);
@@ -449,6 +479,10 @@ struct RegroupLayout {
   static constexpr size_t kTable = kBarriers + 3 * kStages * 8;
   static constexpr size_t kBytes = kTable + Regroup<kN, kM>::kCodes * 8 + 1024;  // + slack to align the ring
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
+  static constexpr uint32_t kWindowBytes = kTileW * OffsetWindow::kWindowWords * 4;  // ... plus, by tensor copy
+  static_assert(OffsetWindow::kWindowWords >= 3 + (kGroup * F::kEntries * F::kBits + 31) / 32 + 1,
+                "a window from the 16-byte boundary holds the group's offset bits");
+  static_assert(F::kValues % 128 == 0, "the offset words' tensor copies land 128-byte aligned");
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group is copied and regrouped");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
   static_assert(kPerSm == 2 || kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
@@ -457,10 +491,11 @@ struct RegroupLayout {
 
 
 // The structure of wgmma_sp_kernel with a third role in between: the last warp copies (TMA for
-// the activation tile and the packed values, cp.async for the offset words; "full" barrier), the
-// kRegroupThreads before it regroup each landed step into the 2:4 tile and its metadata words
-// ("ready" barrier), and warps 0-7 multiply exactly as in wgmma_sp_kernel and release the stage
-// ("empty" barrier). So neither the copies nor the regrouping wait for the MMAs or for a block
+// the activation tile, the packed values and, where aligned, a group's offset words, else
+// cp.async for those; "full" barrier), the kRegroupThreads before it regroup each landed step
+// into the 2:4 tile and its metadata words ("ready" barrier), and warps 0-7 multiply exactly as
+// in wgmma_sp_kernel and release the stage ("empty" barrier). Session 49 (BENCHMARKS.md): with
+// neither the regrouping nor the offset-word copies, 2:8 and 1:8 ran in 0.73-0.99x 2:4's time. So neither the copies nor the regrouping wait for the MMAs or for a block
 // barrier. Until session 18 every thread copied, regrouped and multiplied in turn with a block
 // barrier per group of steps; this kernel is 1.06-1.25x that one at 256-4096 rows, 0.92-1.10x at
 // 17-64 (BENCHMARKS.md, session 18). Regrouping inside the multiplying warpgroups instead ran
@@ -489,10 +524,12 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kRegroupThreads<kN, kRows>) / 32;
   const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);  // a consumer thread's first weight row
+  const bool tensor_offsets = L::kTensorOffsets && offset_rows_aligned(p);  // else the producer's lanes copy them
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      sm90::mbarrier_init(full(s), 1 + kProducerThreads);          // the expected bytes, then each lane's offset words
+      // The expected bytes, then each lane's offset words where they go by cp.async.
+      sm90::mbarrier_init(full(s), 1 + (tensor_offsets ? 0 : kProducerThreads));
       sm90::mbarrier_init(ready(s), kRegroupThreads<kN, kRows>);  // every regrouping thread
       sm90::mbarrier_init(empty(s), kThreads / 32);                // every consumer warp
     }
@@ -506,20 +543,31 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   // The producer warp's copies of a tile's steps [begin, end), step begin into stage `from`.
   auto produce_steps = [&](const sm90::BlockTile& tile, int begin, int end, sm90::RingSlot<S> from) {
     const int64_t w0 = tile.w0;
-    if (lane == 0) maps.prefetch(false);  // its offset words go by cp.async
+    if (lane == 0) maps.prefetch(tensor_offsets);
     auto activations = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(tile.rows.from), full(s));
     };
+    // The offset words (OffsetWindow): where rows of them may be tensor tiles, a group's in one
+    // tensor copy with its first step (zeros past the row and past Nout, as copy_offset_words
+    // writes), which stay in that stage until the group's last step is regrouped (consume hands a
+    // group's first half back only after the second half is ready); else each step's by the lanes'
+    // cp.async. Session 49 (BENCHMARKS.md): the cp.async copies -- 384 four-byte copies a step for
+    // 2:8 -- took as much of the call's time as the regrouping itself; a box a group made 2:8
+    // 1.05-1.10x as fast at 256-640 rows, where a box a step had made it 1.00-1.08x.
+    const uint32_t words = static_cast<uint32_t>(L::kX + L::kA + F::kValues);
     auto values = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
                         static_cast<int>(w0), full(s));
+      if (tensor_offsets && s % G == 0)
+        sm90::tma_load_2d(stage_at(s) + words, &maps.offsets,
+                          static_cast<int>(OffsetWindow::first_word<F, G>(t, true) * 2), static_cast<int>(w0), full(s));
     };
     auto offsets = [&](int s, int t) {
-      sm90::copy_offset_words<F::kIndexWords>(p, stage_at(s) + static_cast<uint32_t>(L::kX + L::kA + F::kValues),
-                                              F::first_word(t), w0, lane, full(s));
+      if (!tensor_offsets)
+        sm90::copy_offset_words<F::kIndexWords>(p, stage_at(s) + words, F::first_word(t), w0, lane, full(s));
     };
     const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
-    auto bytes = [&](int) { return tensor_bytes; };
+    auto bytes = [&](int s) { return tensor_bytes + (tensor_offsets && s % G == 0 ? L::kWindowBytes : 0u); };
     return produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets, from);
   };
   // Regrouping thread i writes the chunks and metadata words of consumer threads i,
@@ -530,7 +578,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       const int s = stage.slot;
       sm90::mbarrier_wait(full(s), stage.phase);
       uint8_t* a_tile = smem + s * L::kStage + L::kX;
-      regroup_share<kN, kM, kRegroupThreads<kN, kRows>>(packed(s), t, i, a_tile, meta(s), table);
+      regroup_share<kN, kM, kRegroupThreads<kN, kRows>>(packed(s), OffsetWindow::of<F, G>(t, s, tensor_offsets, packed),
+                                                        i, a_tile, meta(s), table);
       sm90::fence_async_proxy();  // the MMAs read the 2:4 tile through the async proxy
       sm90::mbarrier_arrive(ready(s));
       stage.advance();
@@ -599,9 +648,12 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
 template <typename T, int kN, int kM, int kRows, int kPerSm = 1>
 cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
   using F = sm90::Family<kN, kM>;
-  TileMaps maps{};  // its offset words go by cp.async
-  if (!sm90::packed_maps<F, kRows>(&maps, p)) return cudaErrorInvalidValue;
-  constexpr size_t kSmem = RegroupLayout<kN, kM, kRows, kPerSm>::kBytes;
+  using L = RegroupLayout<kN, kM, kRows, kPerSm>;
+  TileMaps maps{};  // its offset words go by tensor copy where the layout has room and they are aligned
+  if (!sm90::packed_maps<F, kRows>(&maps, p) ||
+      (L::kTensorOffsets && !offsets_map(&maps.offsets, p, OffsetWindow::kWindowWords)))
+    return cudaErrorInvalidValue;
+  constexpr size_t kSmem = L::kBytes;
   constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
   if (p.stream_k_blocks > 0) {
     if constexpr (kRows == kStreamKRows && kPerSm == 1) {
