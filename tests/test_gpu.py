@@ -160,7 +160,7 @@ def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nou
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(640, 11264, 4000), (300, 4096, 1030), (100, 2048, 520), (40, 4096, 1000)])
 def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_name, rows, k, nout):
-    """The regrouping kernel where rows of offset words are 16-byte multiples (K a multiple of 128
+    """The regrouping kernel where rows of offset words are 16-byte multiples (K a multiple of 1024
     here, for 1:4, 2:8 and 1:8): each group of steps' words come as one tensor copy of a window from
     the 16-byte boundary before the group's first bit (wgmma_sp.cu, OffsetWindow). Stream-K over 96
     tiles of 256 rows (the last overlapping the one before), 256-, 128- and 64-row tiles, Nout off
