@@ -22,9 +22,8 @@ struct Family {
   static constexpr int kGroupBits = kN * kBits;                      // offset bits of one group
   static_assert(kValueBytes % 16 == 0, "a step must hold whole 16-byte runs of values");
   static_assert(kM == 4 || kM == 8 || kM == 16, "groups must not straddle 8-position halves");
-  // Shared-memory bytes of a step's packed tile: kTileW rows of values, then their offset words.
+  // Shared-memory bytes of a step's kTileW rows of values (its offset words follow them).
   static constexpr size_t kValues = static_cast<size_t>(kTileW) * kValueBytes;
-  static constexpr size_t kTileBytes = kValues + static_cast<size_t>(kTileW) * kIndexWords * 4;
   // The word holding step t's first offset bit, and that bit inside it.
   static __device__ __forceinline__ int64_t first_word(int64_t t) { return (t * kEntries * kBits) >> 5; }
   static __device__ __forceinline__ int first_bit(int64_t t) { return static_cast<int>((t * kEntries * kBits) & 31); }
