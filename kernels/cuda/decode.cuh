@@ -564,26 +564,31 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
   // previous kernel drains, so its launch and first weight loads overlap that kernel's tail
   // (decode calls are a few us long).
   const int64_t tiles = (p.nout + kRowsPerBlock - 1) / kRowsPerBlock;
-  auto slots = [&](auto walk_rows) {
-    return static_cast<int64_t>(resident_blocks<T, R, kN, kM, walk_rows()>(smem)) * multiprocessor_count();
+  // Raises the kernel's shared-memory cap, then counts the blocks the GPU holds at once.
+  auto slots_of = [&](auto walk_rows, int64_t& slots) {
+    if (cudaError_t e = allow_dynamic_smem<decode_kernel<T, R, kN, kM, walk_rows()>>(kStageBytes + 4096);
+        e != cudaSuccess)
+      return e;
+    slots = static_cast<int64_t>(resident_blocks<T, R, kN, kM, walk_rows()>(smem)) * multiprocessor_count();
+    return cudaSuccess;
   };
-  auto launch_kernel = [&](auto walk_rows) {
-    constexpr auto kernel = decode_kernel<T, R, kN, kM, walk_rows()>;
-    if (cudaError_t e = allow_dynamic_smem<kernel>(kStageBytes + 4096); e != cudaSuccess) return e;
-    return launch_split_k(kernel, dim3(persistent_blocks(tiles, slots(walk_rows))), kThreads, smem, stream, 1, true,
-                          p);
+  auto launch_kernel = [&](auto walk_rows, int64_t slots) {
+    return launch_split_k(decode_kernel<T, R, kN, kM, walk_rows()>, dim3(persistent_blocks(tiles, slots)), kThreads,
+                          smem, stream, 1, true, p);
   };
+  int64_t slots = 0;
   // The whole-row walk where K is staged once and blocks walk more than one tile. Against the
   // general walk at 1-2 rows (BENCHMARKS.md, session 49), 2:8, 2:4, 1:4 and 4:16: 1.00-1.06x on
   // 4096 x 11008, 14336 and 28672 (3-7 tiles a block), 0.98-1.03x on 4096 x 12288; with a tile a
   // block, where it is not taken, 0.98-1.01x on 14336 x 4096 and 0.93-1.00x on 4096 x 4096.
   if constexpr (kHasRowWalk<T, R, kN, kM>) {
-    // (the occupancy query after the shared-memory cap is raised, as for every launch)
-    if (cudaError_t e = allow_dynamic_smem<decode_kernel<T, R, kN, kM, true>>(kStageBytes + 4096); e != cudaSuccess)
-      return e;
-    if (p.chunk_groups >= p.groups && tiles > slots(std::true_type{})) return launch_kernel(std::true_type{});
+    if (p.chunk_groups >= p.groups) {
+      if (cudaError_t e = slots_of(std::true_type{}, slots); e != cudaSuccess) return e;
+      if (tiles > slots) return launch_kernel(std::true_type{}, slots);
+    }
   }
-  return launch_kernel(std::false_type{});
+  if (cudaError_t e = slots_of(std::false_type{}, slots); e != cudaSuccess) return e;
+  return launch_kernel(std::false_type{}, slots);
 }
 
 template <int V>

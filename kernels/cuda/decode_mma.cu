@@ -17,9 +17,8 @@
 //    pair lies in one group; a PRMT picks each half from the group's value word (or zero) with a
 //    selector looked up in a per-lane table (one shared-memory word per lane and key,
 //    lane-strided, so the 32 lookups of a warp never share a bank; see table_lanes for the one
-//    exception). With one entry a group one
-//    key covers both pairs of a column. The key's byte offset into the table comes from the offset
-//    string in one shift and one LOP3. With four entries a group the values fill two words: a
+//    exception). With one entry a group one key covers both pairs of a column. The key's byte
+//    offset into the table comes from the offset string in one shift and one LOP3. With four entries a group the values fill two words: a
 //    word's two entries key its selector (for groups of 16 a 32 KB table, which at 9-16 rows, where
 //    the activations need the room, holds 16 lanes a key), and the two words' PRMTs are ORed (a
 //    position holds at most one entry; a 16-bit field as one key would need a table of 65536

@@ -466,10 +466,10 @@ template <int kN, int kM, int kRows, int kPerSm = 1>
 struct RegroupLayout {
   using F = sm90::Family<kN, kM>;
   static constexpr bool kTensorOffsets = kPerSm == 1;  // where offset_rows_aligned (OffsetWindow)
-  static constexpr int kOffsetWords = kTensorOffsets ? OffsetWindow::kWindowWords : F::kIndexWords;  // a row's room
+  static constexpr int kOffsetRowWords = kTensorOffsets ? OffsetWindow::kWindowWords : F::kIndexWords;  // a row's room
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
   static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
-  static constexpr size_t kPacked = (F::kValues + kTileW * kOffsetWords * 4 + 127) / 128 * 128;
+  static constexpr size_t kPacked = (F::kValues + kTileW * kOffsetRowWords * 4 + 127) / 128 * 128;
   static constexpr size_t kMeta = kThreads * 4;
   static constexpr size_t kStage = (kX + kA + kPacked + kMeta + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
   static constexpr int kFit = static_cast<int>((kPerSm == 1 ? 216 : 100) * 1024 / kStage);
@@ -494,14 +494,15 @@ struct RegroupLayout {
 // the activation tile, the packed values and, where aligned, a group's offset words, else
 // cp.async for those; "full" barrier), the kRegroupThreads before it regroup each landed step
 // into the 2:4 tile and its metadata words ("ready" barrier), and warps 0-7 multiply exactly as
-// in wgmma_sp_kernel and release the stage ("empty" barrier). Session 49 (BENCHMARKS.md): with
-// neither the regrouping nor the offset-word copies, 2:8 and 1:8 ran in 0.73-0.99x 2:4's time. So neither the copies nor the regrouping wait for the MMAs or for a block
-// barrier. Until session 18 every thread copied, regrouped and multiplied in turn with a block
-// barrier per group of steps; this kernel is 1.06-1.25x that one at 256-4096 rows, 0.92-1.10x at
-// 17-64 (BENCHMARKS.md, session 18). Regrouping inside the multiplying warpgroups instead ran
-// 0.78-0.90x (session 17). Each role's work on a tile's steps is one callable, so that the block
-// runs either its own tile (or a cluster's share of it) or, with kStreamK, a stream-K run of steps
-// over two tiles (sm90::stream_k, kRegroupSplits).
+// in wgmma_sp_kernel and release the stage ("empty" barrier). So neither the copies nor the
+// regrouping wait for the MMAs or for a block barrier. Until session 18 every thread copied,
+// regrouped and multiplied in turn with a block barrier per group of steps; this kernel is
+// 1.06-1.25x that one at 256-4096 rows, 0.92-1.10x at 17-64 (BENCHMARKS.md, session 18).
+// Regrouping inside the multiplying warpgroups instead ran 0.78-0.90x (session 17; in registers,
+// 0.85-1.03x, session 49). Session 49: with neither the regrouping nor the offset-word copies, 2:8
+// and 1:8 ran in 0.73-0.99x 2:4's time. Each role's work on a tile's steps is one callable, so
+// that the block runs either its own tile (or a cluster's share of it) or, with kStreamK, a
+// stream-K run of steps over two tiles (sm90::stream_k, kRegroupSplits).
 template <typename T, int kN, int kM, int kRows, bool kEarly, int kPerSm, bool kStreamK = false>
 __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProducerThreads, kPerSm)
     wgmma_regroup_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps) {
