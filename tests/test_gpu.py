@@ -175,6 +175,25 @@ def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_n
     assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
 
 
+@pytest.mark.parametrize("n,m,path", [(2, 4, "wgmma_sp"), (1, 4, "wgmma_sp"), (2, 8, "wgmma_sp"), (1, 8, "wgmma_sp"),
+                                      (4, 16, "wgmma"), (4, 8, "wgmma"), (2, 16, "wgmma")])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows,k,nout", [(640, 1000, 4000), (384, 2048, 1000), (200, 4104, 130), (700, 4096, 4096)])
+def test_warpgroup_kernels_on_192_row_tiles(rng, n, m, path, dtype_name, rows, k, nout):
+    """The warpgroup kernels on 192-row activation tiles, where launch_split takes them (on 132
+    SMs): 128 tiles unsplit at 640 rows (the last reading the 192 rows that end the call, over the
+    one before it; K a partial step past 15), 16 tiles at 384 rows (K split over a cluster for the
+    regrouped families), one weight tile of two row tiles at 200 rows, and 128 full tiles over K =
+    4096 at 700 rows. Outputs poisoned."""
+    if not kernels.cuda_path_supported(path, rows, n, m, dtype_name, k):
+        pytest.skip("no sm_90a device")
+    pattern = NMPattern(n, m)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    [y] = run_cuda(x, packed, bias, 0.75, dtype_name, path)
+    assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
+
+
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]
 
 

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -115,8 +117,14 @@ struct TileCost {
 };
 
 // The sparse kernels' widths: 1.5 for 256 rows, 1.2 for 128, roughly as measured per step in
-// session 10.
-constexpr TileCost kSparseTiles[] = {{256, 1.5}, {128, 1.2}, {64, 1.0}};
+// session 10; 1.35 for 192 (session 50), which gives 513-768-row calls on N = 4096 four row tiles
+// of 128 blocks in one wave where 256-row tiles left 36 of 132 SMs idle, and 257-384-row calls
+// cheaper steps than 256's over the same blocks. Against the same model without it (H100,
+// ab_kernels --path auto on 4096 x 4096, 11008 x 4096, 4096 x 11008 and 4096 x 14336, 2:4, 2:8
+// and 4:16): 1.05-1.15x at 29 of its 48 points at 384-768 rows, the rest 0.99-1.04x; 0.99-1.05x
+// at 200 and 1024 rows. Unsplit at 640-768 rows on N = 4096, a 192-row step took 0.89-0.95x
+// the time of a 256-row one (BENCHMARKS.md).
+constexpr TileCost kSparseTiles[] = {{256, 1.5}, {192, 1.35}, {128, 1.2}, {64, 1.0}};
 
 // Which K splits launch_split weighs: up to `most` blocks of a cluster per tile, each block keeping
 // at least 8 steps, each extra block costing `extra_steps` steps (the reduction through distributed
@@ -216,6 +224,36 @@ int64_t launched_tiles(const PathParams<T>& p, int rows) {
 // 1.03-1.09x on 4096 x 14336 at 1000 (3 whole waves); after 5 and 10 whole waves (4096 x 11008 at
 // 2048 and 4096 rows) 0.99-1.00x.
 constexpr int64_t kMostWavesBeforeSplit = 3;
+
+// A plan asked for through NMCLI_TILE_PLAN, a knob for measuring the plans launch_split weighs
+// against its choice (like NMCLI_NO_PDL): "ROWS,SPLIT" (one launch), "ROWS,sk" (stream-K) or
+// "ROWS,SPLIT,last" (the whole waves unsplit, then the last one split). launch_split takes it where
+// it is one of the plans it weighs for the call, else its own choice; unset, rows is 0. Session 50
+// forced every plan on 640 and 768 rows (BENCHMARKS.md): the model's choice was the fastest.
+struct TilePlan {
+  int rows = 0, split = 1;
+  int64_t body = 0;  // tiles launched unsplit before the split ones (split_last_wave), else 0
+  bool stream_k = false;
+  double time = -1.0;  // launch_split's estimate; negative: no plan yet
+};
+inline const TilePlan& asked_plan() {
+  static const TilePlan plan = [] {
+    TilePlan a;
+    const char* text = std::getenv("NMCLI_TILE_PLAN");
+    char second[8] = {}, third[8] = {};
+    if (text == nullptr || std::sscanf(text, "%d,%7[a-z0-9],%7[a-z]", &a.rows, second, third) < 2) return TilePlan{};
+    a.stream_k = std::strcmp(second, "sk") == 0;
+    a.split = a.stream_k ? 1 : std::max(1, std::atoi(second));
+    a.body = std::strcmp(third, "last") == 0 ? 1 : 0;  // any body: the last wave split
+    return a;
+  }();
+  return plan;
+}
+inline bool plan_matches(const TilePlan& asked, const TilePlan& plan) {
+  return asked.rows == plan.rows && asked.stream_k == plan.stream_k &&
+         (plan.stream_k || (asked.split == plan.split && (asked.body > 0) == (plan.body > 0)));
+}
+
 template <int... kWidths, typename T, size_t kCount, typename Launch>
 cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (&tiles)[kCount], SplitRule rule,
                          Launch&& launch) {
@@ -223,10 +261,13 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
   const int64_t most_blocks = std::min(rule.most, kMostBlocks);
   const double extra_steps =
       p.rows > 64 && rule.extra_steps_past_64_rows >= 0 ? rule.extra_steps_past_64_rows : rule.extra_steps;
-  int best_rows = tiles[0].rows, best_split = 1;
-  int64_t best_body = 0;  // tiles launched unsplit before the split ones (split_last_wave), else 0
-  bool best_stream_k = false;
-  double best = -1.0;
+  const TilePlan& asked = asked_plan();
+  TilePlan best, best_asked;
+  const auto weigh = [&](const TilePlan& plan) {
+    if (best.time < 0 || plan.time < best.time) best = plan;
+    if (asked.rows != 0 && plan_matches(asked, plan) && (best_asked.time < 0 || plan.time < best_asked.time))
+      best_asked = plan;
+  };
   // Clusters of each split that run at once (whole_sm), asked once per call: every width weighs
   // the same splits.
   int64_t at_once[kMostBlocks + 1] = {};
@@ -245,45 +286,41 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
       if (rule.one_wave && split > 1 && blocks > clusters(split)) continue;
       const double waves = rule.whole_sm ? std::ceil(static_cast<double>(blocks) / clusters(split))
                                          : std::ceil(static_cast<double>(blocks * split) / sms);
-      const double time = waves * split_steps(split) * tile.cost;
-      if (best < 0 || time < best)
-        best = time, best_rows = tile.rows, best_split = split, best_body = 0, best_stream_k = false;
+      weigh({tile.rows, split, 0, false, waves * split_steps(split) * tile.cost});
     }
     // Stream-K: every SM takes an equal share of the tiles' steps, plus the handover. At least 8
     // steps a block: a block with none would hand over nothing that the block after it waits for.
     if (rule.whole_sm && rule.stream_k_steps >= 0 && p.partials != nullptr && tile.rows == kStreamKRows &&
         blocks < sms && blocks > clusters(2) && blocks * steps >= 8 * sms) {
       const double share = std::ceil(static_cast<double>(blocks * steps) / sms);
-      const double time = (share * rule.stream_k_step_cost + rule.stream_k_steps) * tile.cost;
-      if (time < best) best = time, best_rows = tile.rows, best_split = 1, best_body = 0, best_stream_k = true;
+      weigh({tile.rows, 1, 0, true, (share * rule.stream_k_step_cost + rule.stream_k_steps) * tile.cost});
     }
     // The whole waves unsplit, then the last wave's tiles split where their clusters run at once.
     const int64_t wave = rule.whole_sm ? clusters(1) : sms;
     const int64_t body = blocks / wave * wave, last = blocks - body;
     if (!rule.split_last_wave || !rule.whole_sm || body == 0 || last == 0 || body > kMostWavesBeforeSplit * wave)
       continue;
-    for (int split = 2; split <= most_split; ++split) {
-      if (last > clusters(split)) continue;
-      const double time = (static_cast<double>(body / wave * steps) + split_steps(split)) * tile.cost;
-      if (time < best) best = time, best_rows = tile.rows, best_split = split, best_body = body, best_stream_k = false;
-    }
+    const double body_steps = static_cast<double>(body / wave * steps);
+    for (int split = 2; split <= most_split; ++split)
+      if (last <= clusters(split)) weigh({tile.rows, split, body, false, (body_steps + split_steps(split)) * tile.cost});
   }
+  const TilePlan& plan = best_asked.time >= 0 ? best_asked : best;
   const auto run = [&](const PathParams<T>& q, int split) {
     cudaError_t e = cudaErrorInvalidValue;
-    (void)((best_rows == kWidths && (e = launch(std::integral_constant<int, kWidths>{}, split, q), true)) || ...);
+    (void)((plan.rows == kWidths && (e = launch(std::integral_constant<int, kWidths>{}, split, q), true)) || ...);
     return e;
   };
   PathParams<T> part = p;
-  if (best_stream_k) {
+  if (plan.stream_k) {
     part.stream_k_blocks = sms;
     return run(part, 1);
   }
-  if (best_body == 0) return run(p, best_split);
-  part.tile_count = best_body;
+  if (plan.body == 0) return run(p, plan.split);
+  part.tile_count = plan.body;
   if (cudaError_t e = run(part, 1); e != cudaSuccess) return e;
-  part.first_tile = best_body;
-  part.tile_count = launched_tiles(p, best_rows) - best_body;
-  return run(part, best_split);
+  part.first_tile = plan.body;
+  part.tile_count = launched_tiles(p, plan.rows) - plan.body;
+  return run(part, plan.split);
 }
 
 // This block's steps [begin, end) over `positions` K positions (packed groups x M): steps of kStep
