@@ -178,13 +178,17 @@ def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_n
 @pytest.mark.parametrize("n,m,path", [(2, 4, "wgmma_sp"), (1, 4, "wgmma_sp"), (2, 8, "wgmma_sp"), (1, 8, "wgmma_sp"),
                                       (4, 16, "wgmma"), (4, 8, "wgmma"), (2, 16, "wgmma")])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows,k,nout", [(640, 1000, 4000), (384, 2048, 1000), (200, 4104, 130), (700, 4096, 4096)])
+@pytest.mark.parametrize("rows,k,nout", [(640, 1000, 4000), (330, 4104, 3000), (560, 2056, 6000), (700, 4096, 4096),
+                                         (1040, 1000, 4000)])
 def test_warpgroup_kernels_on_192_row_tiles(rng, n, m, path, dtype_name, rows, k, nout):
     """The warpgroup kernels on 192-row activation tiles, where launch_split takes them (on 132
     SMs): 128 tiles unsplit at 640 rows (the last reading the 192 rows that end the call, over the
-    one before it; K a partial step past 15), 16 tiles at 384 rows (K split over a cluster for the
-    regrouped families), one weight tile of two row tiles at 200 rows, and 128 full tiles over K =
-    4096 at 700 rows. Outputs poisoned."""
+    one before it; K a partial step past 15); 48 tiles split two ways at 330 rows (K a step and 8
+    positions past 64 steps, the last weight tile 56 columns); at 560 rows 132 tiles unsplit, then
+    the last wave's 9 split four ways, for the regrouping and expanding kernels (128-row tiles for
+    2:4); 128 full tiles at 700 rows; at 1040 rows the 2:4 kernel unsplit (for 1:4, 2:8 and 1:8 on
+    the 2:4 copy the call stages first) and the expanding kernel's last wave split two ways.
+    Outputs poisoned."""
     if not kernels.cuda_path_supported(path, rows, n, m, dtype_name, k):
         pytest.skip("no sm_90a device")
     pattern = NMPattern(n, m)

@@ -122,8 +122,9 @@ struct TileCost {
 // cheaper steps than 256's over the same blocks. Against the same model without it (H100,
 // ab_kernels --path auto on 4096 x 4096, 11008 x 4096, 4096 x 11008 and 4096 x 14336, 2:4, 2:8
 // and 4:16): 1.05-1.15x at 29 of its 48 points at 384-768 rows, the rest 0.99-1.04x; 0.99-1.05x
-// at 200 and 1024 rows. Unsplit at 640-768 rows on N = 4096, a 192-row step took 0.89-0.95x
-// the time of a 256-row one (BENCHMARKS.md).
+// at 200 and 1024 rows. On the fused widths, 8192 x 8192, 20480 x 5120, 4096 x 1024 and 4096 x
+// 2048 at 300-1040 rows: 1.05-1.20x at 38 of 54 points, the rest 0.99-1.04x. Unsplit at 640-768
+// rows on N = 4096, a 192-row step took 0.89-0.95x the time of a 256-row one (BENCHMARKS.md).
 constexpr TileCost kSparseTiles[] = {{256, 1.5}, {192, 1.35}, {128, 1.2}, {64, 1.0}};
 
 // Which K splits launch_split weighs: up to `most` blocks of a cluster per tile, each block keeping
@@ -229,7 +230,8 @@ constexpr int64_t kMostWavesBeforeSplit = 3;
 // against its choice (like NMCLI_NO_PDL): "ROWS,SPLIT" (one launch), "ROWS,sk" (stream-K) or
 // "ROWS,SPLIT,last" (the whole waves unsplit, then the last one split). launch_split takes it where
 // it is one of the plans it weighs for the call, else its own choice; unset, rows is 0. Session 50
-// forced every plan on 640 and 768 rows (BENCHMARKS.md): the model's choice was the fastest.
+// forced every plan at 640 and 768 rows before the 192-row tiles (BENCHMARKS.md): the model's
+// choice was within 2% of the fastest at all 18 points.
 struct TilePlan {
   int rows = 0, split = 1;
   int64_t body = 0;  // tiles launched unsplit before the split ones (split_last_wave), else 0
