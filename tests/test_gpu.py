@@ -138,6 +138,18 @@ def test_decode_mma_matches_reference(rng, n, m, dtype_name, rows, k, nout):
     assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
 
 
+def assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, path):
+    """A fresh case run on `path` against the float64 reference, outputs poisoned; skipped where the
+    path cannot take it (no sm_90a device). Returns the packed weight."""
+    if not kernels.cuda_path_supported(path, rows, n, m, dtype_name, k):
+        pytest.skip("no sm_90a device")
+    x, packed, bias = random_case(rng, NMPattern(n, m), rows, k, nout, dtype_name)
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    [y] = run_cuda(x, packed, bias, 0.75, dtype_name, path)
+    assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
+    return packed
+
+
 @pytest.mark.parametrize("n,m", [(1, 4), (1, 8), (2, 8)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(17, 4104, 4100), (64, 2048, 12300), (33, 11008, 11008), (5, 1032, 22000)])
@@ -147,13 +159,7 @@ def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nou
     the SMs: on 132 SMs 33 weight tiles split 5 ways (the last tile 4 columns, K a step past a
     whole number of 64-position steps), 97 tiles split 2 ways, 86 split 2 ways with a row count
     off the 8-row MMA grain, and 172 tiles unsplit at 5 rows (K past 16 steps). Outputs poisoned."""
-    if not kernels.cuda_path_supported("wgmma_sp", rows, n, m, dtype_name, k):
-        pytest.skip("no sm_90a device")
-    pattern = NMPattern(n, m)
-    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
-    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
-    [y] = run_cuda(x, packed, bias, 0.75, dtype_name, "wgmma_sp")
-    assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
+    assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
 
 
 @pytest.mark.parametrize("n,m", [(1, 4), (1, 8), (2, 8)])
@@ -165,14 +171,8 @@ def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_n
     the 16-byte boundary before the group's first bit (wgmma_sp.cu, OffsetWindow). Stream-K over 96
     tiles of 256 rows (the last overlapping the one before), 256-, 128- and 64-row tiles, Nout off
     the 128-row tile (the window past Nout reads zeros), K split over a cluster. Outputs poisoned."""
-    if not kernels.cuda_path_supported("wgmma_sp", rows, n, m, dtype_name, k):
-        pytest.skip("no sm_90a device")
-    pattern = NMPattern(n, m)
-    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
+    packed = assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
     assert packed.indices.shape[1] % 4 == 0  # the rows the tensor copies take
-    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
-    [y] = run_cuda(x, packed, bias, 0.75, dtype_name, "wgmma_sp")
-    assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
 
 
 @pytest.mark.parametrize("n,m,path", [(2, 4, "wgmma_sp"), (1, 4, "wgmma_sp"), (2, 8, "wgmma_sp"), (1, 8, "wgmma_sp"),
@@ -189,13 +189,7 @@ def test_warpgroup_kernels_on_192_row_tiles(rng, n, m, path, dtype_name, rows, k
     2:4); 128 full tiles at 700 rows; at 1040 rows the 2:4 kernel unsplit (for 1:4, 2:8 and 1:8 on
     the 2:4 copy the call stages first) and the expanding kernel's last wave split two ways.
     Outputs poisoned."""
-    if not kernels.cuda_path_supported(path, rows, n, m, dtype_name, k):
-        pytest.skip("no sm_90a device")
-    pattern = NMPattern(n, m)
-    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
-    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
-    [y] = run_cuda(x, packed, bias, 0.75, dtype_name, path)
-    assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
+    assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, path)
 
 
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]

@@ -18,11 +18,11 @@
 //    selector looked up in a per-lane table (one shared-memory word per lane and key,
 //    lane-strided, so the 32 lookups of a warp never share a bank; see table_lanes for the one
 //    exception). With one entry a group one key covers both pairs of a column. The key's byte
-//    offset into the table comes from the offset string in one shift and one LOP3. With four entries a group the values fill two words: a
-//    word's two entries key its selector (for groups of 16 a 32 KB table, which at 9-16 rows, where
-//    the activations need the room, holds 16 lanes a key), and the two words' PRMTs are ORed (a
-//    position holds at most one entry; a 16-bit field as one key would need a table of 65536
-//    keys). Session 48: against each entry keying its own selector (its offset and its half of the
+//    offset into the table comes from the offset string in one shift and one LOP3. With four
+//    entries a group the values fill two words: a word's two entries key its selector (for groups
+//    of 16 a 32 KB table, which at 9-16 rows, where the activations need the room, holds 16 lanes a
+//    key), and the two words' PRMTs are ORed (a position holds at most one entry; a 16-bit field as
+//    one key would need a table of 65536 keys). Session 48: against each entry keying its own selector (its offset and its half of the
 //    word, a word's two ORed), with the leaner loop, 1.16-1.59x at 2-16 rows (4:8), 1.23-1.43x at
 //    2-8 rows (4:16; 1.10-1.15x of it from the leaner loop), and 1.10-1.18x at 9-16 rows (4:16,
 //    the 16-lane table).
