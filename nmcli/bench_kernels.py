@@ -51,6 +51,19 @@ class KernelRow:
     cublas_tflops: float
     copy: bool = False     # the call read a 2:4 copy of the weight (prune --prefill-copy)
     cublas_run_ms: float | None = None  # this pattern's own cuBLAS run, where cublas_ms is the point's median
+    tile: str = ""         # the warpgroup kernels' tile plan (tile_text), else empty
+
+
+def tile_text(plan: tuple[int, int, bool, bool]) -> str:
+    """_kernels.last_tile_plan() in short: activation-tile rows, "/S" for a K split S ways over a
+    cluster, " last" where only the last wave's tiles split, " sk" for stream-K; empty off the
+    warpgroup kernels."""
+    rows, split, last_wave, stream_k = plan
+    if rows == 0:
+        return ""
+    if stream_k:
+        return f"{rows} sk"
+    return f"{rows}" + (f"/{split}" if split > 1 else "") + (" last" if last_wave else "")
 
 
 def require_gpu():
@@ -201,6 +214,7 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
                                     workspace=workspace.data_ptr() if workspace is not None else 0, **copy_ptrs)
 
     ours_ms = _time_graph(torch, ours, replays) / sets
+    tile = tile_text(_kernels.last_tile_plan())
     del vs, ids, cvs, cids, workspace
     dense_sets = _sets_for(l2_bytes, k * n * itemsize)
     ws = [torch.randn(k, n, device="cuda", dtype=tdtype) for _ in range(dense_sets)]
@@ -217,7 +231,7 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
     flops = 2.0 * m * k * n
     return KernelRow(m, k, n, str(pattern), dtype, chosen, ours_ms, cublas_ms, cublas_ms / ours_ms, moved, gbps,
                      100.0 * gbps / copy_gbps, flops / (ours_ms * 1e-3) / 1e12, flops / (cublas_ms * 1e-3) / 1e12,
-                     reads_copy)
+                     reads_copy, tile=tile)
 
 
 def shared_baseline(rows: list[KernelRow]) -> list[KernelRow]:
@@ -267,7 +281,8 @@ def _cells_by_point(rows: list[dict]) -> tuple[list[str], dict[tuple[int, int, i
 def markdown_table(rows: list[dict]) -> str:
     """`nmcli bench kernels --json` rows as one markdown table (BENCHMARKS.md's): a line per shape
     and row count, cuBLAS's time (the median of the patterns' cuBLAS runs), and per pattern our
-    time, the speedup over that time, at 1..16 rows the share of the copy bandwidth, and the path."""
+    time, the speedup over that time, at 1..16 rows the share of the copy bandwidth, the path and,
+    on the warpgroup kernels, the tile plan (tile_text)."""
     patterns, points = _cells_by_point(rows)
     lines = ["| K x N | rows | cuBLAS us | " + " | ".join(patterns) + " |",
              "|:--|--:|--:|" + "--:|" * len(patterns)]
@@ -280,7 +295,8 @@ def markdown_table(rows: list[dict]) -> str:
                 cells.append("")
                 continue
             bandwidth = f" {r['pct_copy_bw']:.0f}%" if m <= DECODE_MS[-1] else ""
-            cells.append(f"{r['ours_ms'] * 1e3:.1f} us {r['speedup']:.2f}x{bandwidth} {r['path']}")
+            tile = f" {r['tile']}" if r.get("tile") else ""
+            cells.append(f"{r['ours_ms'] * 1e3:.1f} us {r['speedup']:.2f}x{bandwidth} {r['path']}{tile}")
         lines.append(f"| {k} x {n} | {m} | {cublas_ms * 1e3:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -175,21 +175,32 @@ def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_n
     assert packed.indices.shape[1] % 4 == 0  # the rows the tensor copies take
 
 
+# Calls whose tile plan (sm90::launch_split, on 132 SMs) is the same for the 2:4, regrouping and
+# expanding kernels: (rows, K, Nout, (activation-tile rows, K split, whole waves first, then the last
+# wave's tiles split)).
+WIDE_TILE_CALLS = [
+    (640, 1000, 4000, (160, 1, False)),  # 128 tiles, 4 x 160 rows; K a partial step past 15
+    (150, 4104, 6000, (160, 2, False)),  # one partial row tile, 47 weight tiles (the last 112 columns)
+    (300, 4104, 11000, (160, 2, True)),  # 172 tiles: a wave, then 40 split; the last row tile overlaps
+    (150, 11008, 4104, (160, 3, False)),  # 33 weight tiles, the last 8 columns
+    (330, 4104, 3000, (192, 2, False)),  # K a step and 8 positions past 64 steps
+    (700, 4096, 4096, (192, 1, False)),  # 128 tiles, the last row tile over the one before
+    (520, 4104, 8200, (192, 2, True)),  # 195 tiles: a wave, then 63 split
+]
+
+
 @pytest.mark.parametrize("n,m,path", [(2, 4, "wgmma_sp"), (1, 4, "wgmma_sp"), (2, 8, "wgmma_sp"), (1, 8, "wgmma_sp"),
                                       (4, 16, "wgmma"), (4, 8, "wgmma"), (2, 16, "wgmma")])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows,k,nout", [(640, 1000, 4000), (330, 4104, 3000), (560, 2056, 6000), (700, 4096, 4096),
-                                         (1040, 1000, 4000)])
-def test_warpgroup_kernels_on_192_row_tiles(rng, n, m, path, dtype_name, rows, k, nout):
-    """The warpgroup kernels on 192-row activation tiles, where launch_split takes them (on 132
-    SMs): 128 tiles unsplit at 640 rows (the last reading the 192 rows that end the call, over the
-    one before it; K a partial step past 15); 48 tiles split two ways at 330 rows (K a step and 8
-    positions past 64 steps, the last weight tile 56 columns); at 560 rows 132 tiles unsplit, then
-    the last wave's 9 split four ways, for the regrouping and expanding kernels (128-row tiles for
-    2:4); 128 full tiles at 700 rows; at 1040 rows the 2:4 kernel unsplit (for 1:4, 2:8 and 1:8 on
-    the 2:4 copy the call stages first) and the expanding kernel's last wave split two ways.
-    Outputs poisoned."""
+@pytest.mark.parametrize("rows,k,nout,plan", WIDE_TILE_CALLS)
+def test_warpgroup_kernels_on_160_and_192_row_tiles(rng, n, m, path, dtype_name, rows, k, nout, plan):
+    """The warpgroup kernels on 160- and 192-row activation tiles (m64n160 and m64n192 MMAs), unsplit,
+    with K split over a cluster and with the last wave split, against the float64 reference with
+    poisoned outputs. On 132 SMs the launch must also have taken the plan named (last_tile_plan),
+    so a change to launch_split's model cannot quietly move these calls to other widths."""
     assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, path)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert kernels.last_tile_plan()[:3] == plan
 
 
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]

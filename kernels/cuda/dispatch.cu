@@ -479,6 +479,11 @@ CudaPath choose_path(const CudaMatMul& call) {
   return call.rows <= kDecodeMaxRows ? CudaPath::decode : CudaPath::tiled;
 }
 
+CudaTilePlan& last_tile_plan() {
+  static thread_local CudaTilePlan plan;
+  return plan;
+}
+
 const char* path_name(CudaPath path) {
   switch (path) {
     case CudaPath::decode: return "decode";
@@ -512,6 +517,7 @@ size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path) {
 }
 
 int nm_matmul_cuda(const CudaMatMul& call, void* stream_ptr, CudaPath path) {
+  last_tile_plan() = {};  // a warpgroup kernel's launch_split records its plan
   if (call.rows == 0 || call.shape.nout == 0) return cudaSuccess;
   if (path == CudaPath::automatic) path = choose_path(call);
   if (!path_supported(call, path)) return cudaErrorInvalidValue;

@@ -73,6 +73,19 @@ size_t nm_matmul_cuda_workspace_bytes(const CudaMatMul& call, CudaPath path = Cu
 // Returns a cudaError_t as int (0 = success) so callers need no CUDA headers.
 int nm_matmul_cuda(const CudaMatMul& call, void* stream, CudaPath path = CudaPath::automatic);
 
+// The tile plan of the calling thread's last nm_matmul_cuda call where it ran a warpgroup kernel
+// (sm90::launch_split in kernels/cuda/wgmma_tile.cuh): its activation-tile rows (0 where the call
+// ran another path), K split, whether its whole waves ran unsplit before the last wave's tiles
+// split, whether it ran stream-K. For tests and measurements, which otherwise would have to work
+// launch_split's model by hand.
+struct CudaTilePlan {
+  int rows = 0;
+  int split = 1;
+  bool last_wave_split = false;
+  bool stream_k = false;
+};
+CudaTilePlan& last_tile_plan();
+
 // A 2:4 copy of a packed weight (docs/FORMAT.md "A 2:4 copy") in device memory: values [Nout, S4]
 // (16-bit), offset words [Nout, S4 / 16].
 struct TwoOfFourCopy {

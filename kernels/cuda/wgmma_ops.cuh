@@ -121,38 +121,42 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
 #define NMCLI_WGMMA_REGS_32_63 \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define NMCLI_WGMMA_REGS_64_95 \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define NMCLI_WGMMA_REGS_64_79 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+#define NMCLI_WGMMA_REGS_80_95 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 #define NMCLI_WGMMA_REGS_96_127 \
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
-// 8 and 32 accumulator operands starting at d[i].
+// 8, 16 and 32 accumulator operands starting at d[i].
 #define NMCLI_WGMMA_ACC8(i) \
   "+f"(d[(i) + 0]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), \
   "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
-#define NMCLI_WGMMA_ACC32(i) \
-  NMCLI_WGMMA_ACC8(i), NMCLI_WGMMA_ACC8((i) + 8), NMCLI_WGMMA_ACC8((i) + 16), NMCLI_WGMMA_ACC8((i) + 24)
+#define NMCLI_WGMMA_ACC16(i) NMCLI_WGMMA_ACC8(i), NMCLI_WGMMA_ACC8((i) + 8)
+#define NMCLI_WGMMA_ACC32(i) NMCLI_WGMMA_ACC16(i), NMCLI_WGMMA_ACC16((i) + 16)
 
 // An N-wide MMA's accumulators: placeholders %0..%(N/2 - 1) and their operands d[0..N/2).
 #define NMCLI_WGMMA_D64_REGS NMCLI_WGMMA_REGS_0_31
 #define NMCLI_WGMMA_D64 NMCLI_WGMMA_ACC32(0)
 #define NMCLI_WGMMA_D128_REGS NMCLI_WGMMA_REGS_0_31 ", " NMCLI_WGMMA_REGS_32_63
 #define NMCLI_WGMMA_D128 NMCLI_WGMMA_ACC32(0), NMCLI_WGMMA_ACC32(32)
-#define NMCLI_WGMMA_D192_REGS NMCLI_WGMMA_D128_REGS ", " NMCLI_WGMMA_REGS_64_95
-#define NMCLI_WGMMA_D192 NMCLI_WGMMA_D128, NMCLI_WGMMA_ACC32(64)
+#define NMCLI_WGMMA_D160_REGS NMCLI_WGMMA_D128_REGS ", " NMCLI_WGMMA_REGS_64_79
+#define NMCLI_WGMMA_D160 NMCLI_WGMMA_D128, NMCLI_WGMMA_ACC16(64)
+#define NMCLI_WGMMA_D192_REGS NMCLI_WGMMA_D160_REGS ", " NMCLI_WGMMA_REGS_80_95
+#define NMCLI_WGMMA_D192 NMCLI_WGMMA_D160, NMCLI_WGMMA_ACC16(80)
 #define NMCLI_WGMMA_D256_REGS NMCLI_WGMMA_D192_REGS ", " NMCLI_WGMMA_REGS_96_127
 #define NMCLI_WGMMA_D256 NMCLI_WGMMA_D192, NMCLI_WGMMA_ACC32(96)
 
 // The body of a wrapper templated on <kWidth, kBf16>: the instruction macro (taking the type
 // name) for the activation-tile width, with the type the template asks for.
-#define NMCLI_WGMMA_FOR_WIDTH(N64, N128, N192, N256) \
-  static_assert(kWidth == 64 || kWidth == 128 || kWidth == 192 || kWidth == 256, "activation tile widths we launch"); \
+#define NMCLI_WGMMA_FOR_WIDTH(N64, N128, N160, N192, N256) \
+  static_assert(kWidth == 64 || kWidth == 128 || kWidth == 160 || kWidth == 192 || kWidth == 256, \
+                "activation tile widths we launch"); \
   if constexpr (kWidth == 64) { \
     if constexpr (kBf16) N64("bf16"); else N64("f16"); \
   } else if constexpr (kWidth == 128) { \
     if constexpr (kBf16) N128("bf16"); else N128("f16"); \
+  } else if constexpr (kWidth == 160) { \
+    if constexpr (kBf16) N160("bf16"); else N160("f16"); \
   } else if constexpr (kWidth == 192) { \
     if constexpr (kBf16) N192("bf16"); else N192("f16"); \
   } else { \
@@ -168,6 +172,8 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
   NMCLI_WGMMA_SS("m64n64k16", TYPE, NMCLI_WGMMA_D64_REGS, "%32, %33", NMCLI_WGMMA_D64)
 #define NMCLI_WGMMA_SS_M64N128K16(TYPE) \
   NMCLI_WGMMA_SS("m64n128k16", TYPE, NMCLI_WGMMA_D128_REGS, "%64, %65", NMCLI_WGMMA_D128)
+#define NMCLI_WGMMA_SS_M64N160K16(TYPE) \
+  NMCLI_WGMMA_SS("m64n160k16", TYPE, NMCLI_WGMMA_D160_REGS, "%80, %81", NMCLI_WGMMA_D160)
 #define NMCLI_WGMMA_SS_M64N192K16(TYPE) \
   NMCLI_WGMMA_SS("m64n192k16", TYPE, NMCLI_WGMMA_D192_REGS, "%96, %97", NMCLI_WGMMA_D192)
 #define NMCLI_WGMMA_SS_M64N256K16(TYPE) \
@@ -175,8 +181,8 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
 
 template <int kWidth, bool kBf16>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc) {
-  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SS_M64N64K16, NMCLI_WGMMA_SS_M64N128K16, NMCLI_WGMMA_SS_M64N192K16,
-                        NMCLI_WGMMA_SS_M64N256K16)
+  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SS_M64N64K16, NMCLI_WGMMA_SS_M64N128K16, NMCLI_WGMMA_SS_M64N160K16,
+                        NMCLI_WGMMA_SS_M64N192K16, NMCLI_WGMMA_SS_M64N256K16)
 }
 
 // One wgmma.mma_async with A from registers (the TF32 wrapper below): TYPES the A.B type pair, REGS the
@@ -222,6 +228,8 @@ __device__ __forceinline__ void wgmma_tf32_rs(float (&d)[kWidth / 2], const uint
   NMCLI_WGMMA_SP("m64n64k32", TYPE, NMCLI_WGMMA_D64_REGS, "%32, %33, %34", NMCLI_WGMMA_D64)
 #define NMCLI_WGMMA_SP_M64N128K32(TYPE) \
   NMCLI_WGMMA_SP("m64n128k32", TYPE, NMCLI_WGMMA_D128_REGS, "%64, %65, %66", NMCLI_WGMMA_D128)
+#define NMCLI_WGMMA_SP_M64N160K32(TYPE) \
+  NMCLI_WGMMA_SP("m64n160k32", TYPE, NMCLI_WGMMA_D160_REGS, "%80, %81, %82", NMCLI_WGMMA_D160)
 #define NMCLI_WGMMA_SP_M64N192K32(TYPE) \
   NMCLI_WGMMA_SP("m64n192k32", TYPE, NMCLI_WGMMA_D192_REGS, "%96, %97, %98", NMCLI_WGMMA_D192)
 #define NMCLI_WGMMA_SP_M64N256K32(TYPE) \
@@ -229,8 +237,8 @@ __device__ __forceinline__ void wgmma_tf32_rs(float (&d)[kWidth / 2], const uint
 
 template <int kWidth, bool kBf16>
 __device__ __forceinline__ void wgmma_sp(float (&d)[kWidth / 2], uint64_t a_desc, uint64_t b_desc, uint32_t meta) {
-  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SP_M64N64K32, NMCLI_WGMMA_SP_M64N128K32, NMCLI_WGMMA_SP_M64N192K32,
-                        NMCLI_WGMMA_SP_M64N256K32)
+  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_SP_M64N64K32, NMCLI_WGMMA_SP_M64N128K32, NMCLI_WGMMA_SP_M64N160K32,
+                        NMCLI_WGMMA_SP_M64N192K32, NMCLI_WGMMA_SP_M64N256K32)
 }
 
 }  // namespace sm90

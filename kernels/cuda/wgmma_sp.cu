@@ -61,9 +61,9 @@ struct SpLayout {
   static constexpr size_t kMeta = static_cast<size_t>(kTileW) * kMetaWords * 4;
   static constexpr size_t kStage = (kX + kA + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
   // Steps per group (their offset words arrive together; consume issues them in two halves): 4,
-  // or 2 for the 192- and 256-row tiles, whose stages are large enough that 4 would leave the ring
-  // too few to copy into.
-  static constexpr int kGroup = kRows >= 192 ? 2 : 4;
+  // or 2 for the 160-, 192- and 256-row tiles, whose stages are large enough that 4 would leave the
+  // ring too few to copy into.
+  static constexpr int kGroup = kRows >= 160 ? 2 : 4;
   static constexpr int kStages = static_cast<int>(216 * 1024 / (kStage + kMeta)) / kGroup * kGroup;
   static constexpr size_t kWords = kStages * kStage;
   static constexpr size_t kBarriers = kWords + kStages * kMeta;
@@ -82,7 +82,7 @@ struct SpLayout {
 // 128-row tiles: two warps for 2:8, where a warpgroup ran 0.93-0.96x of the old kernel at 64
 // rows against 0.99-1.04x, a warpgroup for 1:4 and 1:8 (0.92-0.99x there, against 0.81-0.92x
 // with two warps). The 192-row tile takes the 256-row tile's (ptxas: 126 registers, no spills; a
-// warpgroup was not tried).
+// warpgroup was not tried), the 160-row tile the 128-row tile's (ptxas: 110 registers, no spills).
 template <int kN, int kRows>
 constexpr int kRegroupThreads = kRows >= 192 ? (kN == 1 ? 96 : 64) : kN == 2 ? 64 : 128;
 
@@ -735,7 +735,7 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
         return launch_regrouped<T, kN(), kM(), rows()>(tiles, stream, splits);
     };
     constexpr sm90::SplitRule splits = kN() == 2 && kM() == 4 ? sm90::kTwoOfFourSplits : kRegroupSplits;
-    return sm90::launch_split<256, 192, 128, 64>(p, steps, sm90::kSparseTiles, splits, launch);
+    return sm90::launch_split<256, 192, 160, 128, 64>(p, steps, sm90::kSparseTiles, splits, launch);
   });
 }
 

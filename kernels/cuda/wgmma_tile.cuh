@@ -15,6 +15,7 @@
 
 #include "common.cuh"
 #include "kernels.cuh"
+#include "nm_matmul_cuda.h"
 #include "split_k.cuh"
 #include "wgmma_ops.cuh"
 
@@ -125,7 +126,13 @@ struct TileCost {
 // at 200 and 1024 rows. On the fused widths, 8192 x 8192, 20480 x 5120, 4096 x 1024 and 4096 x
 // 2048 at 300-1040 rows: 1.05-1.20x at 38 of 54 points, the rest 0.99-1.04x. Unsplit at 640-768
 // rows on N = 4096, a 192-row step took 0.89-0.95x the time of a 256-row one (BENCHMARKS.md).
-constexpr TileCost kSparseTiles[] = {{256, 1.5}, {192, 1.35}, {128, 1.2}, {64, 1.0}};
+// 1.275 for 160 (session 51, between 128's and 192's), which the model takes for 129-160 rows
+// (one row tile), 257-320 and 513-640 on N = 4096 and other calls whose 160-row tiles fill the same
+// waves as 192-row ones with less waste. Against the same model without it (H100, ab_kernels
+// --path auto, 2:4, 2:8 and 4:16 on six shapes at 150, 300, 520 and 640 rows): 1.04-1.33x at 52 of
+// 72 points, the rest 0.99-1.02x but one 2:4 point at 0.94x (11008 x 4096 at 520 rows, 96 tiles of
+// 192 rows against 128 of 160), which a rerun with the 192-row plan forced put at 1.05x.
+constexpr TileCost kSparseTiles[] = {{256, 1.5}, {192, 1.35}, {160, 1.275}, {128, 1.2}, {64, 1.0}};
 
 // Which K splits launch_split weighs: up to `most` blocks of a cluster per tile, each block keeping
 // at least 8 steps, each extra block costing `extra_steps` steps (the reduction through distributed
@@ -307,6 +314,7 @@ cudaError_t launch_split(const PathParams<T>& p, int64_t steps, const TileCost (
       if (last <= clusters(split)) weigh({tile.rows, split, body, false, (body_steps + split_steps(split)) * tile.cost});
   }
   const TilePlan& plan = best_asked.time >= 0 ? best_asked : best;
+  last_tile_plan() = {plan.rows, plan.split, plan.body > 0, plan.stream_k};
   const auto run = [&](const PathParams<T>& q, int split) {
     cudaError_t e = cudaErrorInvalidValue;
     (void)((plan.rows == kWidths && (e = launch(std::integral_constant<int, kWidths>{}, split, q), true)) || ...);
