@@ -104,17 +104,21 @@ def main() -> None:
             for m in args.rows or [1]:
                 point = Point(m, k, n, pattern, values, indices, l2_bytes)
                 runs = {(name, path): [] for name in builds for path in paths}
+                plans = {}  # the tile plan each build ran, where it reports one (from session 51)
                 for _ in range(ROUNDS):
                     for (name, path), times in runs.items():
                         try:
                             times.append(point.time_us(builds[name], path))
                         except ValueError:  # the path does not take this call
-                            pass
+                            continue
+                        if hasattr(builds[name], "last_tile_plan"):
+                            plans[(name, path)] = bench_kernels.tile_text(builds[name].last_tile_plan())
                 moved = point.moved
                 del point
                 cells = []
                 for (name, path), times in runs.items():
-                    label = name if len(paths) == 1 else f"{name}/{path}"
+                    label = (name if len(paths) == 1 else f"{name}/{path}") + \
+                        (f" ({plans[(name, path)]})" if plans.get((name, path)) else "")
                     if not times:
                         cells.append(f"{label} -")
                         continue
