@@ -66,6 +66,12 @@ def tile_text(plan: tuple[int, int, bool, bool]) -> str:
     return f"{rows}" + (f"/{split}" if split > 1 else "") + (" last" if last_wave else "")
 
 
+def path_text(path: str, tile: str = "", copy: bool = False) -> str:
+    """The path column of `nmcli bench kernels` and of its markdown tables: the path taken, the
+    tile plan (tile_text) and whether the call read a 2:4 copy of its weight."""
+    return path + (f" {tile}" if tile else "") + (" (2:4 copy)" if copy else "")
+
+
 def require_gpu():
     try:
         import torch
@@ -281,8 +287,8 @@ def _cells_by_point(rows: list[dict]) -> tuple[list[str], dict[tuple[int, int, i
 def markdown_table(rows: list[dict]) -> str:
     """`nmcli bench kernels --json` rows as one markdown table (BENCHMARKS.md's): a line per shape
     and row count, cuBLAS's time (the median of the patterns' cuBLAS runs), and per pattern our
-    time, the speedup over that time, at 1..16 rows the share of the copy bandwidth, the path and,
-    on the warpgroup kernels, the tile plan (tile_text)."""
+    time, the speedup over that time, at 1..16 rows the share of the copy bandwidth and the path
+    (path_text: with the tile plan on the warpgroup kernels, "(2:4 copy)" where the call read one)."""
     patterns, points = _cells_by_point(rows)
     lines = ["| K x N | rows | cuBLAS us | " + " | ".join(patterns) + " |",
              "|:--|--:|--:|" + "--:|" * len(patterns)]
@@ -295,8 +301,8 @@ def markdown_table(rows: list[dict]) -> str:
                 cells.append("")
                 continue
             bandwidth = f" {r['pct_copy_bw']:.0f}%" if m <= DECODE_MS[-1] else ""
-            tile = f" {r['tile']}" if r.get("tile") else ""
-            cells.append(f"{r['ours_ms'] * 1e3:.1f} us {r['speedup']:.2f}x{bandwidth} {r['path']}{tile}")
+            path = path_text(r["path"], r.get("tile", ""), r.get("copy", False))
+            cells.append(f"{r['ours_ms'] * 1e3:.1f} us {r['speedup']:.2f}x{bandwidth} {path}")
         lines.append(f"| {k} x {n} | {m} | {cublas_ms * 1e3:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

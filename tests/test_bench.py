@@ -170,38 +170,42 @@ def test_cuda_graph_flag_on_cpu_warns_and_runs(model_file, tmp_path):
     assert report["cuda_graph"] is False and report["settings"][0]["sparse"]["p50_ms"] > 0
 
 
-def _kernel_row(m, k, n, nm, ours_us, cublas_us, path="decode", tile=None):
+def _kernel_row(m, k, n, nm, ours_us, cublas_us, path="decode", tile=None, copy=False):
     row = {"m": m, "k": k, "n": n, "nm": nm, "dtype": "float16", "path": path, "ours_ms": ours_us / 1e3,
            "cublas_ms": cublas_us / 1e3, "speedup": cublas_us / ours_us, "bytes_moved": 1, "gbps": 1.0,
-           "pct_copy_bw": 61.4, "tflops": 1.0, "cublas_tflops": 1.0, "copy": False}
+           "pct_copy_bw": 61.4, "tflops": 1.0, "cublas_tflops": 1.0, "copy": copy}
     return row if tile is None else {**row, "tile": tile}  # JSON from before session 51 has no tile
 
 
 def test_tile_plan_text():
-    """The tile plan `nmcli bench kernels` prints after the path (_kernels.last_tile_plan())."""
-    from nmcli.bench_kernels import tile_text
+    """The tile plan `nmcli bench kernels` prints after the path (_kernels.last_tile_plan()), and
+    the path column with it."""
+    from nmcli.bench_kernels import path_text, tile_text
 
     assert tile_text((0, 1, False, False)) == ""  # the call ran no warpgroup kernel
     assert tile_text((160, 1, False, False)) == "160"
     assert tile_text((192, 2, False, False)) == "192/2"
     assert tile_text((160, 2, True, False)) == "160/2 last"
     assert tile_text((256, 1, False, True)) == "256 sk"
+    assert path_text("decode") == "decode"
+    assert path_text("wgmma_sp", "256 sk", copy=True) == "wgmma_sp 256 sk (2:4 copy)"
 
 
 def test_kernel_bench_tables_from_json_rows(tmp_path):
     """scripts/bench_table.py (BENCHMARKS.md's tables): a line per shape and row count, the patterns
     in the order they first appear, the copy-bandwidth share only up to 16 rows, cuBLAS's median
-    and every pattern's speedup over it, a blank for a pattern a point lacks; ranges over the
-    shapes; the later run wins a point."""
+    and every pattern's speedup over it, the path as the console table shows it (tile plan, a 2:4
+    copy read), a blank for a pattern a point lacks; ranges over the shapes; the later run wins a
+    point."""
     from nmcli.bench_kernels import markdown_table, speedup_ranges
 
     rows = [_kernel_row(1, 4096, 4096, "2:8", 5.0, 15.0), _kernel_row(1, 4096, 4096, "2:4", 10.0, 14.0),
-            _kernel_row(256, 4096, 4096, "2:8", 25.0, 20.0, "wgmma_sp", "192/2 last"),
+            _kernel_row(256, 4096, 4096, "2:8", 25.0, 20.0, "wgmma_sp", "192/2 last", copy=True),
             _kernel_row(1, 4096, 1024, "2:8", 4.0, 8.0)]
     table = markdown_table(rows).splitlines()
     assert table[0] == "| K x N | rows | cuBLAS us | 2:8 | 2:4 |"
     assert table[2] == "| 4096 x 4096 | 1 | 14.5 | 5.0 us 2.90x 61% decode | 10.0 us 1.45x 61% decode |"
-    assert table[3] == "| 4096 x 4096 | 256 | 20.0 | 25.0 us 0.80x wgmma_sp 192/2 last |  |"
+    assert table[3] == "| 4096 x 4096 | 256 | 20.0 | 25.0 us 0.80x wgmma_sp 192/2 last (2:4 copy) |  |"
     assert table[4] == "| 4096 x 1024 | 1 | 8.0 | 4.0 us 2.00x 61% decode |  |"
     ranges = speedup_ranges(rows).splitlines()
     assert ranges[2:] == ["| 1 | 2.00-2.90x | 1.45-1.45x |", "| 256 | 0.80-0.80x |  |"]

@@ -23,7 +23,11 @@
 // copies land no more bytes per SM than plain ones (session 24's probe); a tile of 256 weight x
 // 128 activation rows (session 25: 17% fewer bytes out of L2 per MMA than 128 x 256, and 0.82-0.91x
 // at 512-4096 rows); two steps' values in one tile of 128-byte rows, half the tensor-copy box rows
-// (session 25: 0.83-1.01x at 17-4096 rows).
+// (session 25: 0.83-1.01x at 17-4096 rows); blocks of 3 or 4 consumer warpgroups, 192 x 192, 192 x
+// 160, 256 x 128 and 192 x 128 tiles with 4-19% fewer bytes out of L2 per FLOP (session 52:
+// 0.51-0.97x at 1024-4096 rows, so those bytes do not bind); 2 steps a half group in a ring of 4
+// stages for the 160-, 192- and 256-row tiles (session 52: 0.72-0.92x, the copies lose their lead);
+// 3 steps of MMAs in flight instead of 2 on those tiles (session 52: 0.77-1.03x).
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
@@ -62,7 +66,9 @@ struct SpLayout {
   static constexpr size_t kStage = (kX + kA + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
   // Steps per group (their offset words arrive together; consume issues them in two halves): 4,
   // or 2 for the 160-, 192- and 256-row tiles, whose stages are large enough that 4 would leave the
-  // ring too few to copy into.
+  // ring too few to copy into. Where the ring allows, 4 matters: the 128-row tile with 2 ran
+  // 0.83-0.93x at 490-4096 rows (session 52: a wait and a release every step, not every 2, and an
+  // offset-word copy every 2 steps, not 4).
   static constexpr int kGroup = kRows >= 160 ? 2 : 4;
   static constexpr int kStages = static_cast<int>(216 * 1024 / (kStage + kMeta)) / kGroup * kGroup;
   static constexpr size_t kWords = kStages * kStage;
