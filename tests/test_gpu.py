@@ -16,6 +16,20 @@ kernels = pytest.importorskip("nmcli._kernels")
 TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _ort_has_cuda() -> bool:
+    try:
+        import onnxruntime
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+# The ONNX Runtime tests need onnxruntime-gpu: with the CPU package (or none) they skip, rather
+# than fail on a session that fell back to the CPU EP or on a device buffer it cannot allocate.
+needs_ort_cuda = pytest.mark.skipif(not _ort_has_cuda(),
+                                    reason="onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)")
+
+
 def to_device(array, dtype_name):
     t = torch.from_numpy(np.ascontiguousarray(array.astype(np.float32) if dtype_name == "bfloat16" else array))
     return t.to("cuda", TORCH_DTYPE[dtype_name] if array.dtype.kind == "f" else None)
@@ -508,6 +522,7 @@ def test_cuda_copy_kernel_copies_and_refuses_misaligned():
             kernels.cuda_copy(*args)
 
 
+@needs_ort_cuda
 @pytest.mark.parametrize("prefill_copy", [False, True])
 def test_ort_cuda_llama_block_with_fused_neighbours(rng, prefill_copy):
     """A LLaMA-style block whose residual adds and SiLU gate moved into the op: CUDA EP (plain,
@@ -536,6 +551,7 @@ def test_ort_cuda_llama_block_with_fused_neighbours(rng, prefill_copy):
                 assert relative_error(y_dev.numpy(), expected.astype(np.float64)) < 3e-3, (tokens, graph)
 
 
+@needs_ort_cuda
 def test_ort_cuda_op_passes_the_copy_to_the_sparse_tensor_cores(rng):
     """A model whose weight values are NaN but whose 2:4 copy is right: on the CUDA EP, calls of
     300 rows (the sparse tensor cores) match the CPU EP on the intact model; calls of 4 rows (the
@@ -574,6 +590,7 @@ def _pruned_block(rng, dtype, permute=False, fuse=True, vector=0):
     return pruned
 
 
+@needs_ort_cuda
 @pytest.mark.parametrize("dtype,permute,fuse,vector", [(np.float16, False, True, 0), (np.float32, False, True, 0),
                                                        (np.float16, True, True, 0), (np.float16, False, False, 0),
                                                        (np.float32, False, True, 32), (np.float16, False, True, 32)])
@@ -601,6 +618,7 @@ def test_ort_cuda_matches_cpu_without_memcpy(rng, tmp_path, dtype, permute, fuse
     assert not [o for o in ops if o.startswith("Memcpy")], ops
 
 
+@needs_ort_cuda
 @pytest.mark.parametrize("tokens", [4, 2400])
 def test_ort_cuda_io_binding_and_cuda_graph(rng, tokens):
     """IO binding and ORT's CUDA-graph capture and replay, at 4 tokens and at 2400, where the fused
@@ -629,6 +647,7 @@ def test_ort_cuda_io_binding_and_cuda_graph(rng, tokens):
         assert relative_error(y_dev.numpy(), fresh.astype(np.float64)) < 2e-3
 
 
+@needs_ort_cuda
 def test_serve_example_on_cuda(tmp_path, rng):
     """examples/serve.py --cuda runs the converted model on the CUDA EP and agrees with the CPU EP."""
     import importlib.util
@@ -651,6 +670,7 @@ def test_serve_example_on_cuda(tmp_path, rng):
     assert relative_error(y_cuda, y_cpu.astype(np.float64)) < 2e-3
 
 
+@needs_ort_cuda
 def test_bench_model_on_cuda(tmp_path):
     """nmcli bench on the CUDA EP: IO binding, the op timer's CUDA events, memory readings."""
     import json
@@ -668,6 +688,7 @@ def test_bench_model_on_cuda(tmp_path):
         assert s["agreement"][0]["cosine"] > 0.3
 
 
+@needs_ort_cuda
 def test_bench_model_with_cuda_graphs(tmp_path):
     """--cuda-graph: both models replayed as ORT-captured CUDA graphs, one graph per shape."""
     import json

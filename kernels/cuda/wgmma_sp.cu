@@ -53,29 +53,38 @@ constexpr int kStored = kBK / 2;        // stored values per weight row per step
 constexpr int kMetaWords = kBK / 32;    // offset words per weight row per step (one per MMA)
 
 // A 2:4 step in shared memory: the activation tile [kRows x 64] (128-byte swizzle) and the stored
-// values [128 x 32] (64-byte swizzle); a ring of kStages steps, then the offset words, kMeta bytes
-// per stage: a group of kGroup steps starting at stage s keeps its words from s * kMeta on, row r's
-// words of step g of the group at (r * kGroup + g) * kMetaWords (so a row's words for the whole
-// group lie together: one tensor-copy box of the group's words); then one "full" and one "empty"
-// barrier per stage.
+// values [128 x 32] (64-byte swizzle); a ring of kStages steps, then the offset words in kSlots
+// slots of kBox steps (kMeta bytes a step): steps [kBox j, kBox j + kBox) of the call keep theirs in
+// slot j % kSlots, row r's words of step g of them at (r * kBox + g) * kMetaWords (a row's words for
+// the kBox steps together: one tensor-copy box); then one "full" and one "empty" barrier per stage.
+// A slot is written again kSlots boxes later, once the consumers have released a stage that they
+// release only after reading every step of the slot's last box.
 template <int kRows>
 struct SpLayout {
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
   static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
   static constexpr size_t kMeta = static_cast<size_t>(kTileW) * kMetaWords * 4;
   static constexpr size_t kStage = (kX + kA + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
-  // Steps per group (their offset words arrive together; consume issues them in two halves): 4,
-  // or 2 for the 160-, 192- and 256-row tiles, whose stages are large enough that 4 would leave the
-  // ring too few to copy into. Where the ring allows, 4 matters: the 128-row tile with 2 ran
-  // 0.83-0.93x at 490-4096 rows (session 52: a wait and a release every step, not every 2, and an
-  // offset-word copy every 2 steps, not 4).
+  // Steps per group (consume issues a group in two halves, waiting and releasing stages once a
+  // half): 4, or 2 for the 160-, 192- and 256-row tiles, whose stages are large enough that 4
+  // would leave the ring too few to copy into (session 52: 4 in rings of 4 stages, 0.72-0.92x).
   static constexpr int kGroup = kRows >= 160 ? 2 : 4;
   static constexpr int kStages = static_cast<int>(216 * 1024 / (kStage + kMeta)) / kGroup * kGroup;
+  // Steps whose offset words one tensor copy brings: 4 for every tile. Until session 52 the 160-,
+  // 192- and 256-row tiles brought a group's (2 steps) at a time; with 4 the 2:4 kernel ran 1.04-1.20x
+  // as fast at 17 of 24 points at 300-4096 rows on the LLaMA projections and 8192 x 8192, the rest
+  // 1.00-1.03x, and 0.99-1.02x at 150 rows (the 128-row tile with groups of 2 had shown the cost,
+  // 0.83-0.93x of its groups of 4). kSlots: enough that the copies, kStages steps ahead, never
+  // overwrite a box not yet read.
+  static constexpr int kBox = 4;
+  static constexpr int kSlots = std::max(2, (kStages + kBox - 1) / kBox);
+  static_assert(kGroup == kBox || kStages <= 6,
+                "with groups of 2 a block may begin mid-box; its copies, up to 6 steps ahead, stay off boxes being read");
   static constexpr size_t kWords = kStages * kStage;
-  static constexpr size_t kBarriers = kWords + kStages * kMeta;
+  static constexpr size_t kBarriers = kWords + kSlots * kBox * kMeta;
   static constexpr size_t kBytes = kBarriers + 2 * kStages * 8 + 1024;  // + slack to align the ring
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + kA);  // what the tensor copies bring per stage
-  static constexpr uint32_t kGroupWordBytes = static_cast<uint32_t>(kGroup * kMeta);  // + a group's offset words
+  static constexpr uint32_t kBoxWordBytes = static_cast<uint32_t>(kBox * kMeta);  // + a box of offset words
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group's copies fly");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
   static_assert(kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
@@ -127,12 +136,12 @@ __device__ __forceinline__ void release_steps(uint32_t empty, int lane) {
 // it with its MMA in flight gave wrong results in session 17), and ptxas serializes the MMAs
 // (C7513) when a metadata register is written while an MMA that reads it is in flight. So each
 // group is issued in two halves with their own registers: a half's MMAs stay in flight while the
-// next half's metadata is read (read_step(words, group_stage, g, phase) waits for step g of the
-// group at group_stage and fills its kMetaWords words) and its MMAs are issued; then the
-// warpgroup waits for the older half only and releases its stages. Until session 24 each group
-// drained all its MMAs before the next group's metadata was read (the halves: 1.01-1.11x at
-// 128-4096 rows on 17 of 18 points, BENCHMARKS.md). ptxas also serializes (C7518) when a wait
-// sits under a branch, hence the first group outside the loop.
+// next half's metadata is read (read_step(words, group_stage, g, phase, step) waits for step g of
+// the group at group_stage, step `step` of the call, and fills its kMetaWords words) and its MMAs
+// are issued; then the warpgroup waits for the older half only and releases its stages. Until
+// session 24 each group drained all its MMAs before the next group's metadata was read (the
+// halves: 1.01-1.11x at 128-4096 rows on 17 of 18 points, BENCHMARKS.md). ptxas also serializes
+// (C7518) when a wait sits under a branch, hence the first group outside the loop.
 template <typename L, int kRows, bool kBf16, typename ReadStep>
 __device__ __forceinline__ sm90::RingSlot<L::kStages> consume(float (&acc)[kRows / 2], int begin, int end,
                                                               uint32_t ring, uint32_t empty0, int wg, int lane,
@@ -143,9 +152,10 @@ __device__ __forceinline__ sm90::RingSlot<L::kStages> consume(float (&acc)[kRows
   // `group`: the group's first stage (step begin's: the ring's start unless stream_k's earlier
   // steps left it elsewhere). Groups never wrap around the ring (S is a multiple of G).
   uint32_t meta[2][H][kMetaWords];
+  int first = begin;  // the group's first step
   auto start = [&](uint32_t (&m)[H][kMetaWords], int half) {  // reads a half's metadata, issues its MMAs
 #pragma unroll
-    for (int i = 0; i < H; ++i) read_step(m[i], group.slot, half * H + i, group.phase);
+    for (int i = 0; i < H; ++i) read_step(m[i], group.slot, half * H + i, group.phase, first + half * H + i);
     issue_steps<L, H, kRows, kBf16>(acc, ring + static_cast<uint32_t>((group.slot + half * H) * L::kStage), wg, m);
   };
   auto retire = [&](int stage, auto pending) {  // the half at `stage`, once `pending` halves are left in flight
@@ -161,6 +171,7 @@ __device__ __forceinline__ sm90::RingSlot<L::kStages> consume(float (&acc)[kRows
   int last = group.slot + H;  // the stage of the previous group's second half
   group.template advance<G>();
   for (int t = begin + G; t < end; t += G) {
+    first = t;
     start(meta[0], 0);
     retire(last, One{});
     start(meta[1], 1);
@@ -252,48 +263,55 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     auto activations = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(rows.from), full(s));
     };
-    // Step t's offset words go to its group's place (SpLayout). Where rows of them may be tensor
-    // tiles, the group's first step brings the whole group's in one box of kTileW rows; else each
-    // lane copies its rows' words per step. Per row and step they cost 208 ns a step in
+    // Step t's offset words go to its box's slot (SpLayout). Where rows of them may be tensor
+    // tiles, one box of kTileW rows brings kBox steps' words; else each lane copies its rows' words
+    // per step. Per row and step they cost 208 ns a step in
     // kernels/bench/copy_probe.cu, whole groups' in 16-byte pieces 33-41 ns (BENCHMARKS.md, session
     // 19); one box instead of those pieces made the kernel 1.00-1.16x faster at 17-64 rows and
     // 1.05-1.11x at 4096 (session 20). Steps past a row's stored entries (the rounding up to whole
     // groups) read zeros.
     const uint32_t words = ring + static_cast<uint32_t>(L::kWords);
+    auto slot_of = [&](int t) { return words + static_cast<uint32_t>(t / L::kBox % L::kSlots * L::kBox * L::kMeta); };
     auto values = [&](int s, int t) {
+      // A box of offset words with the block's first step and every kBox-th step of the call (a box
+      // starts at a multiple of kBox steps, so on a 16-byte boundary, as a box must); its bytes are
+      // expected before the values' copy goes out, so the stage cannot complete without them.
+      const bool box = tensor_offsets && (t % L::kBox == 0 || t == begin);
+      if (box) sm90::mbarrier_expect_tx(full(s), L::kBoxWordBytes);
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
                         full(s));
-      // Groups start at multiples of G steps, so their words on 16-byte boundaries, as a box must.
-      if (tensor_offsets && s % G == 0)
-        sm90::tma_load_2d(words + static_cast<uint32_t>(s * L::kMeta), &maps.offsets, t * kMetaWords * 2,
-                          static_cast<int>(w0), full(s));
+      if (box)
+        sm90::tma_load_2d(slot_of(t), &maps.offsets, t / L::kBox * L::kBox * kMetaWords * 2, static_cast<int>(w0),
+                          full(s));
     };
     auto offsets = [&](int s, int t) {
       if (tensor_offsets) return;
-      const uint32_t group = words + static_cast<uint32_t>((s - s % G) * L::kMeta);
       const bool in_row = static_cast<int64_t>(t) * kMetaWords < p.index_words;
 #pragma unroll
       for (int j = 0; j < kMetaRows; ++j) {
         const bool ok = meta_ok[j] && in_row;
-        sm90::cp_async8(group + ((lane + 32 * j) * G + s % G) * kMetaWords * 4,
+        sm90::cp_async8(slot_of(t) + ((lane + 32 * j) * L::kBox + t % L::kBox) * kMetaWords * 4,
                         ok ? meta[j] + t * kMetaWords : p.indices, ok);
       }
       sm90::cp_async_arrive(full(s));
     };
     const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
-    auto bytes = [&](int s) { return tensor_bytes + (tensor_offsets && s % G == 0 ? L::kGroupWordBytes : 0u); };
+    auto bytes = [&](int) { return tensor_bytes; };
     produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
   } else {
     // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
     // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
     const uint32_t halves = (lane & 1) ? 0x7632u : 0x5410u;
-    auto read_step = [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase) {
+    auto read_step = [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase, int t) {
+      // Steps are read in order, so the box of step t landed with an earlier (or this) stage.
       sm90::mbarrier_wait(full(group_stage + g), phase);
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kWords + group_stage * L::kMeta);
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(
+          smem + L::kWords + t / L::kBox % L::kSlots * L::kBox * L::kMeta);
+      const int b = t % L::kBox;
 #pragma unroll
       for (int k = 0; k < kMetaWords; ++k)
-        m[k] = valid_metadata(__byte_perm(words[(row * G + g) * kMetaWords + k],
-                                          words[((row + 8) * G + g) * kMetaWords + k], halves));
+        m[k] = valid_metadata(__byte_perm(words[(row * L::kBox + b) * kMetaWords + k],
+                                          words[((row + 8) * L::kBox + b) * kMetaWords + k], halves));
     };
     consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
   }
@@ -601,7 +619,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     sm90::fence_operands(acc);
     // This thread's metadata word for MMA k of a step: chunk 2k + (lane & 1) of its quad's rows.
     const int meta_reader = warp * 32 + (lane & ~3) + (lane & 1);
-    auto read_step = [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase) {
+    auto read_step = [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase, int) {
       sm90::mbarrier_wait(full(group_stage + g), phase);  // the activation tile
       sm90::mbarrier_wait(ready(group_stage + g), phase);
 #pragma unroll
@@ -643,7 +661,7 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, sm90::activation_box_rows<kRows>(p.rows),
                 CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B) ||
-      !offsets_map(&maps.offsets, p, SpLayout<kRows>::kGroup * kMetaWords))
+      !offsets_map(&maps.offsets, p, SpLayout<kRows>::kBox * kMetaWords))
     return cudaErrorInvalidValue;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
     return sm90::launch_tiles<wgmma_sp_kernel<T, kRows, early()>, kRows, SpLayout<kRows>::kBytes,
