@@ -436,9 +436,9 @@ def bench_kernels(
                 "cuBLAS TFLOP/s"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(str(r.m), str(r.k), str(r.n), r.nm, bk.path_text(r.path, r.tile, r.copy), f"{r.ours_ms:.4f}", f"{r.cublas_ms:.4f}",
-                      f"{r.speedup:.2f}x", f"{r.gbps:.0f}", f"{r.pct_copy_bw:.0f}%", f"{r.tflops:.1f}",
-                      f"{r.cublas_tflops:.1f}")
+        table.add_row(str(r.m), str(r.k), str(r.n), r.nm, bk.path_text(r.path, r.tile, r.copy), f"{r.ours_ms:.4f}",
+                      f"{r.cublas_ms:.4f}", f"{r.speedup:.2f}x", f"{r.gbps:.0f}", f"{r.pct_copy_bw:.0f}%",
+                      f"{r.tflops:.1f}", f"{r.cublas_tflops:.1f}")
     out.print(table)
 
 
