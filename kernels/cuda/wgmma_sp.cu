@@ -79,12 +79,18 @@ struct SpLayout {
   static constexpr int kBox = 4;
   static constexpr int kSlots = std::max(2, (kStages + kBox - 1) / kBox);
   static_assert(kGroup == kBox || kStages <= 6,
-                "with groups of 2 a block may begin mid-box; its copies, up to 6 steps ahead, stay off boxes being read");
+                "groups of 2 may begin mid-box: copies up to 6 steps ahead stay off boxes being read");
   static constexpr size_t kWords = kStages * kStage;
   static constexpr size_t kBarriers = kWords + kSlots * kBox * kMeta;
   static constexpr size_t kBytes = kBarriers + 2 * kStages * 8 + 1024;  // + slack to align the ring
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + kA);  // what the tensor copies bring per stage
   static constexpr uint32_t kBoxWordBytes = static_cast<uint32_t>(kBox * kMeta);  // + a box of offset words
+  // Where step t's box of offset words lies, in bytes from the ring's start, and where row r's
+  // words of step t lie in it, in words.
+  __host__ __device__ static constexpr uint32_t box_at(int t) {
+    return static_cast<uint32_t>(kWords + t / kBox % kSlots * kBox * kMeta);
+  }
+  __host__ __device__ static constexpr int word_in_box(int r, int t) { return (r * kBox + t % kBox) * kMetaWords; }
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group's copies fly");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
   static_assert(kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
@@ -152,8 +158,8 @@ __device__ __forceinline__ sm90::RingSlot<L::kStages> consume(float (&acc)[kRows
   // `group`: the group's first stage (step begin's: the ring's start unless stream_k's earlier
   // steps left it elsewhere). Groups never wrap around the ring (S is a multiple of G).
   uint32_t meta[2][H][kMetaWords];
-  int first = begin;  // the group's first step
-  auto start = [&](uint32_t (&m)[H][kMetaWords], int half) {  // reads a half's metadata, issues its MMAs
+  // Reads the metadata of a half of the group whose first step is `first`, issues its MMAs.
+  auto start = [&](uint32_t (&m)[H][kMetaWords], int half, int first) {
 #pragma unroll
     for (int i = 0; i < H; ++i) read_step(m[i], group.slot, half * H + i, group.phase, first + half * H + i);
     issue_steps<L, H, kRows, kBf16>(acc, ring + static_cast<uint32_t>((group.slot + half * H) * L::kStage), wg, m);
@@ -165,16 +171,15 @@ __device__ __forceinline__ sm90::RingSlot<L::kStages> consume(float (&acc)[kRows
   };
   using One = std::integral_constant<int, 1>;
   if (begin >= end) return group;  // never while a cluster has no more blocks than groups (split_steps); no hang
-  start(meta[0], 0);
-  start(meta[1], 1);
+  start(meta[0], 0, begin);
+  start(meta[1], 1, begin);
   retire(group.slot, One{});
   int last = group.slot + H;  // the stage of the previous group's second half
   group.template advance<G>();
   for (int t = begin + G; t < end; t += G) {
-    first = t;
-    start(meta[0], 0);
+    start(meta[0], 0, t);
     retire(last, One{});
-    start(meta[1], 1);
+    start(meta[1], 1, t);
     retire(group.slot, One{});
     last = group.slot + H;
     group.template advance<G>();
@@ -265,13 +270,10 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     };
     // Step t's offset words go to its box's slot (SpLayout). Where rows of them may be tensor
     // tiles, one box of kTileW rows brings kBox steps' words; else each lane copies its rows' words
-    // per step. Per row and step they cost 208 ns a step in
-    // kernels/bench/copy_probe.cu, whole groups' in 16-byte pieces 33-41 ns (BENCHMARKS.md, session
-    // 19); one box instead of those pieces made the kernel 1.00-1.16x faster at 17-64 rows and
-    // 1.05-1.11x at 4096 (session 20). Steps past a row's stored entries (the rounding up to whole
-    // groups) read zeros.
-    const uint32_t words = ring + static_cast<uint32_t>(L::kWords);
-    auto slot_of = [&](int t) { return words + static_cast<uint32_t>(t / L::kBox % L::kSlots * L::kBox * L::kMeta); };
+    // per step. Per row and step they cost 208 ns a step in kernels/bench/copy_probe.cu, whole
+    // groups' in 16-byte pieces 33-41 ns (BENCHMARKS.md, session 19); one box instead of those
+    // pieces made the kernel 1.00-1.16x faster at 17-64 rows and 1.05-1.11x at 4096 (session 20).
+    // Steps past a row's stored entries (the rounding up to whole groups) read zeros.
     auto values = [&](int s, int t) {
       // A box of offset words with the block's first step and every kBox-th step of the call (a box
       // starts at a multiple of kBox steps, so on a 16-byte boundary, as a box must); its bytes are
@@ -281,8 +283,8 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
                         full(s));
       if (box)
-        sm90::tma_load_2d(slot_of(t), &maps.offsets, t / L::kBox * L::kBox * kMetaWords * 2, static_cast<int>(w0),
-                          full(s));
+        sm90::tma_load_2d(ring + L::box_at(t), &maps.offsets, t / L::kBox * L::kBox * kMetaWords * 2,
+                          static_cast<int>(w0), full(s));
     };
     auto offsets = [&](int s, int t) {
       if (tensor_offsets) return;
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
 #pragma unroll
       for (int j = 0; j < kMetaRows; ++j) {
         const bool ok = meta_ok[j] && in_row;
-        sm90::cp_async8(slot_of(t) + ((lane + 32 * j) * L::kBox + t % L::kBox) * kMetaWords * 4,
+        sm90::cp_async8(ring + L::box_at(t) + L::word_in_box(lane + 32 * j, t) * 4,
                         ok ? meta[j] + t * kMetaWords : p.indices, ok);
       }
       sm90::cp_async_arrive(full(s));
@@ -305,13 +307,11 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     auto read_step = [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase, int t) {
       // Steps are read in order, so the box of step t landed with an earlier (or this) stage.
       sm90::mbarrier_wait(full(group_stage + g), phase);
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(
-          smem + L::kWords + t / L::kBox % L::kSlots * L::kBox * L::kMeta);
-      const int b = t % L::kBox;
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::box_at(t));
 #pragma unroll
       for (int k = 0; k < kMetaWords; ++k)
-        m[k] = valid_metadata(__byte_perm(words[(row * L::kBox + b) * kMetaWords + k],
-                                          words[((row + 8) * L::kBox + b) * kMetaWords + k], halves));
+        m[k] = valid_metadata(__byte_perm(words[L::word_in_box(row, t) + k], words[L::word_in_box(row + 8, t) + k],
+                                          halves));
     };
     consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
   }
