@@ -5,7 +5,10 @@ symbol names are normalised before the bodies are compared. Same PTX means the s
 change that keeps a kernel's PTX cannot change its speed. No GPU needed.
 
     python scripts/compare_ptx.py scratch/base kernels/cuda/decode_mma.cu --drop Lb0E
-"""
+    python scripts/compare_ptx.py scratch/base kernels/cuda/wgmma_sp.cu --arch sm_90a   # warpgroup kernels
+
+Kernels in an anonymous namespace are matched by name without the hash of the file's path that
+their mangled names carry (it differs between trees)."""
 import argparse
 import re
 import subprocess
@@ -28,7 +31,8 @@ def kernels(tree: Path, source: str, arch: str) -> dict[str, list[str]]:
         body = re.sub(r"_ZZ?N\w+", "SYMBOL", body)
         body = re.sub(r"%[a-z]+\d+", "%R", body)
         body = re.sub(r"\$L__BB\d+_\d+", "LABEL", body)
-        bodies[match.group(1)] = body.splitlines()
+        # kernels in an anonymous namespace carry a hash of the file's path, which differs per tree
+        bodies[re.sub(r"_GLOBAL__N__\w+?_cu_[0-9a-f]+", "ANON", match.group(1))] = body.splitlines()
     return bodies
 
 
