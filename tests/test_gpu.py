@@ -1,6 +1,11 @@
 """GPU checks (run on the lent H100; skipped without a GPU): every CUDA path and N:M family
 against the float64 reference with fresh random data, odd shapes and poisoned outputs; the
 pruned model on ORT's CUDA EP against the CPU EP, with IO binding and CUDA-graph replay."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import FAMILIES
@@ -105,9 +110,8 @@ def paths_for(rows, pattern, dtype_name, k):
                                          # last wave's 12 split over clusters (launch_split), the last
                                          # activation tile overlapping the one before (K: partial step)
                                          (2300, 3000, 2000),
-                                         # stream-K on 132 SMs (1:4, 2:8, 1:8 in fp16/bf16): 96 tiles
-                                         # of 256 rows (the last overlapping), each SM an equal run
-                                         # of their steps (K: partial step)
+                                         # 32 weight tiles of 4 x 160 rows (until session 51, stream-K
+                                         # over 3 x 256: test_regrouping_kernel_stream_k_when_forced)
                                          (640, 11000, 4000),
                                          # K split three ways over a cluster, the last block fewer steps
                                          (40, 1800, 520),
@@ -178,15 +182,50 @@ def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nou
 
 @pytest.mark.parametrize("n,m", [(1, 4), (1, 8), (2, 8)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows,k,nout", [(640, 11264, 4000), (300, 4096, 1030), (100, 2048, 520), (40, 4096, 1000)])
+@pytest.mark.parametrize("rows,k,nout", [(640, 11264, 4000), (300, 4096, 1030), (100, 2048, 520), (40, 4096, 1000),
+                                         (150, 5120, 6000), (150, 11264, 4104), (330, 5120, 3000)])
 def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_name, rows, k, nout):
     """The regrouping kernel where rows of offset words are 16-byte multiples (K a multiple of 1024
     here, for 1:4, 2:8 and 1:8): each group of steps' words come as one tensor copy of a window from
     the 16-byte boundary before the group's first bit (wgmma_sp.cu, OffsetWindow). Stream-K over 96
     tiles of 256 rows (the last overlapping the one before), 256-, 128- and 64-row tiles, Nout off
-    the 128-row tile (the window past Nout reads zeros), K split over a cluster. Outputs poisoned."""
+    the 128-row tile (the window past Nout reads zeros), K split over a cluster; on 132 SMs the last
+    three take 160-row tiles split 2 and 3 ways and 192-row tiles split 2 ways (session 53), whose
+    groups are of 2 steps. Outputs poisoned."""
     packed = assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
     assert packed.indices.shape[1] % 4 == 0  # the rows the tensor copies take
+
+
+# Run in a fresh process: NMCLI_TILE_PLAN is read once per process.
+STREAM_K_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_gpu import assert_forced_path_matches_reference, kernels
+rng = np.random.default_rng(53)
+for rows, k, nout in [(640, 11000, 4000), (640, 11264, 4000)]:
+    for n, m in [(1, 4), (2, 8), (1, 8)]:
+        for dtype_name in ["float16", "bfloat16"]:
+            assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
+            assert kernels.last_tile_plan() == (256, 1, False, True), (rows, k, nout, n, m, kernels.last_tile_plan())
+"""
+
+
+def test_regrouping_kernel_stream_k_when_forced():
+    """Stream-K in the regrouping kernel (sm90::stream_k: each SM an equal run of the steps of 96
+    tiles of 256 rows, the last overlapping the one before), which launch_split still weighs but which
+    no other case here takes on 132 SMs since the 160-row tiles (session 51; session 53 listed the
+    plans): forced through NMCLI_TILE_PLAN, 1:4, 2:8 and 1:8 in fp16 and bf16, K a partial step past
+    171 (offset words by cp.async) and a multiple of 1024 (by tensor copy), against the float64
+    reference with poisoned outputs; the launch must have taken stream-K."""
+    if not kernels.cuda_path_supported("wgmma_sp", 640, 2, 8, "float16", 11000):
+        pytest.skip("no sm_90a device")
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the stream-K grid is sized for 132 SMs")
+    result = subprocess.run([sys.executable, "-c", STREAM_K_SCRIPT, str(Path(__file__).parent)],
+                            env=dict(os.environ, NMCLI_TILE_PLAN="256,sk"), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
 # Calls whose tile plan (sm90::launch_split, on 132 SMs) is the same for the 2:4, regrouping and

@@ -103,7 +103,8 @@ struct SpLayout {
 // 128-row tiles: two warps for 2:8, where a warpgroup ran 0.93-0.96x of the old kernel at 64
 // rows against 0.99-1.04x, a warpgroup for 1:4 and 1:8 (0.92-0.99x there, against 0.81-0.92x
 // with two warps). The 192-row tile takes the 256-row tile's (ptxas: 126 registers, no spills; a
-// warpgroup was not tried), the 160-row tile the 128-row tile's (ptxas: 110 registers, no spills).
+// warpgroup was not tried), the 160-row tile the 128-row tile's (ptxas: 110 registers, no spills; a
+// warpgroup for 2:8 ran 0.95-1.01x of two warps at 150-640 rows, session 53).
 template <int kN, int kRows>
 constexpr int kRegroupThreads = kRows >= 192 ? (kN == 1 ? 96 : 64) : kN == 2 ? 64 : 128;
 
@@ -579,7 +580,14 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     // group's first half back only after the second half is ready); else each step's by the lanes'
     // cp.async. Session 49 (BENCHMARKS.md): the cp.async copies -- 384 four-byte copies a step for
     // 2:8 -- took as much of the call's time as the regrouping itself; a box a group made 2:8
-    // 1.05-1.10x as fast at 256-640 rows, where a box a step had made it 1.00-1.08x.
+    // 1.05-1.10x as fast at 256-640 rows, where a box a step had made it 1.00-1.08x. Session 53,
+    // not kept: a box of 4 steps on every tile (groups of 2 here on the 128- to 256-row tiles), in
+    // slots beside the ring that the regrouping threads hand back by barrier, ran 0.97-1.04x at
+    // 150-4096 rows (1:4 0.97-0.99x at 150-640): the copies do not bind there. Its first build
+    // chose the words' pointer between a slot and the stage, and the compiler then read them with
+    // generic loads (about 20% more instructions in the regrouping loop): 0.90-0.93x at 150-640
+    // rows, 1.00x at 1024-4096 -- the regrouping threads' path through a step binds at those rows
+    // (and more of them did not shorten it: kRegroupThreads).
     const uint32_t words = static_cast<uint32_t>(L::kX + L::kA + F::kValues);
     auto values = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
