@@ -342,14 +342,23 @@ struct Regroup {
   static constexpr int kChunkBits = kChunkEntries * F::kBits;
   static constexpr int kBlocks = kM / 4;                 // 4-position blocks of a group
   static constexpr int kCodes = 1 << F::kGroupBits;      // a group's offset bits, as a table index
+  // Groups a table entry covers: 2 where a group is one block (1:4: their two selectors fill x, and
+  // their entries one value word), else 1. Session 53 (BENCHMARKS.md): with pairs, 1:4's regrouping
+  // loop went from 197 to 157 instructions (28 to 20 shared loads) and the kernel ran 1.04-1.06x as
+  // fast at 150-640 rows on the LLaMA shapes, 0.98-1.02x at 4096. 1:8's groups are two blocks: a
+  // pair would need four selectors an entry.
+  static constexpr int kLookup = kBlocks == 1 ? 2 : 1;
+  static constexpr int kLookups = kChunkGroups / kLookup;      // table reads per chunk row
+  static constexpr int kEntryCodes = 1 << (F::kGroupBits * kLookup);
   static_assert(kN <= 2 && (kM == 4 || kM == 8), "at most 2 entries in every 4 positions, blocks inside groups");
   static_assert(kChunkEntries * 2 == 8 || kChunkEntries * 2 == 4, "a chunk's values are read as one word or two");
 };
 
-// Table entry `code` for a group whose offset bits are `code`: x holds, per 4-position block b
-// of the group, the byte-permute selector (bits 16b..16b+15) that turns the group's stored values
-// (entry e in bytes 2e, 2e + 1 of a word; 4 = a zero byte) into the block's two 2:4 values, and
-// y the block's metadata nibble (bits 4b..4b+3). A block with one entry at position p pairs it
+// Table entry `entry` for kLookup consecutive groups whose offset bits are `entry` (group l's at
+// bits l * kGroupBits): x holds, per 4-position block b of group l, the byte-permute selector (bits
+// 16s..16s+15, s = l * kBlocks + b) that turns the groups' stored values (entry e of group l in bytes
+// 2(l N + e), 2(l N + e) + 1 of a word; 4 = a zero byte) into the block's two 2:4 values, and y the
+// block's metadata nibble (bits 4s..4s+3). A block with one entry at position p pairs it
 // with a zero at 3 (or at 2 when p = 3), an empty block holds zeros at (0, 1): metadata is always
 // two increasing positions. A repeated offset -- the (0, 0) of padding, whose values are zero --
 // counts once.
@@ -357,13 +366,16 @@ template <int kN, int kM>
 __device__ __forceinline__ void fill_regroup_table(uint2* table) {
   using R = Regroup<kN, kM>;
   constexpr int kBits = R::F::kBits;
-  for (int code = threadIdx.x; code < R::kCodes; code += kThreads) {
+  for (int entry = threadIdx.x; entry < R::kEntryCodes; entry += kThreads) {
     uint32_t selectors = 0, metadata = 0;
-    for (int b = 0; b < R::kBlocks; ++b) {
-      // The block's first and second entries: positions p0, p1 inside it, stored entries e0, e1.
+    for (int lb = 0; lb < R::kLookup * R::kBlocks; ++lb) {
+      const int l = lb / R::kBlocks, b = lb % R::kBlocks;  // group l of the entry's, its block b
+      const int code = (entry >> (l * R::F::kGroupBits)) & (R::kCodes - 1);
+      // The block's first and second entries: positions p0, p1 inside it, stored entries e0, e1
+      // (group l's entries follow the earlier groups' in the value word).
       int count = 0, p0 = 0, p1 = 0, e0 = 0, e1 = 0, previous = -1;
-      for (int e = 0; e < kN; ++e) {
-        const int off = (code >> (e * kBits)) & ((1 << kBits) - 1);
+      for (int e = l * kN; e < (l + 1) * kN; ++e) {
+        const int off = (code >> ((e - l * kN) * kBits)) & ((1 << kBits) - 1);
         if (off == previous || off / 4 != b) continue;
         previous = off;
         if (count == 0) p0 = off % 4, e0 = e;
@@ -376,10 +388,10 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
       else if (count == 1 && p0 < 3) sel = bytes(e0) | 0x44u << 8, nibble = p0 | 3u << 2;
       else if (count == 1) sel = 0x44u | bytes(e0) << 8, nibble = 2u | 3u << 2;
       else sel = bytes(e0) | bytes(e1) << 8, nibble = p0 | p1 << 2;
-      selectors |= sel << (16 * b);
-      metadata |= nibble << (4 * b);
+      selectors |= sel << (16 * lb);
+      metadata |= nibble << (4 * lb);
     }
-    table[code] = make_uint2(selectors, metadata);
+    table[entry] = make_uint2(selectors, metadata);
   }
 }
 
@@ -450,14 +462,14 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
       }
     }
   }
-  uint2 entries[kPer][2][R::kChunkGroups];
+  uint2 entries[kPer][2][R::kLookups];
 #pragma unroll
   for (int j = 0; j < kPer; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int g = 0; g < R::kChunkGroups; ++g)
-        entries[j][h][g] = table[(codes[j][h] >> (g * F::kGroupBits)) & (R::kCodes - 1)];
+      for (int g = 0; g < R::kLookups; ++g)
+        entries[j][h][g] = table[(codes[j][h] >> (g * R::kLookup * F::kGroupBits)) & (R::kEntryCodes - 1)];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     if (!live(j)) continue;
@@ -467,12 +479,13 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
       const int r = rows[j] + 8 * h;
       uint32_t out[4], m16 = 0;
 #pragma unroll
-      for (int g = 0; g < R::kChunkGroups; ++g) {
+      for (int g = 0; g < R::kLookups; ++g) {
+        constexpr int kOut = R::kLookup * R::kBlocks;  // 2:4 words (4-position blocks) an entry fills
         const uint2 e = entries[j][h][g];
-        const uint32_t group = kN == 2 ? values[j][h][g] : values[j][h][g >> 1] >> (16 * (g & 1));
+        const uint32_t stored = kN == 2 || R::kLookup == 2 ? values[j][h][g] : values[j][h][g >> 1] >> (16 * (g & 1));
 #pragma unroll
-        for (int b = 0; b < R::kBlocks; ++b) out[g * R::kBlocks + b] = __byte_perm(group, 0u, e.x >> (16 * b));
-        m16 |= e.y << (4 * R::kBlocks * g);
+        for (int b = 0; b < kOut; ++b) out[g * kOut + b] = __byte_perm(stored, 0u, e.x >> (16 * b));
+        m16 |= e.y << (4 * kOut * g);
       }
       *reinterpret_cast<uint4*>(a_tile + r * kStored * 2 + ((qs[j] ^ ((r >> 1) & 3)) << 4)) =
           make_uint4(out[0], out[1], out[2], out[3]);
@@ -503,7 +516,7 @@ struct RegroupLayout {
   static constexpr int kStages = kFit / kGroup * kGroup;
   static constexpr size_t kBarriers = kStages * kStage;
   static constexpr size_t kTable = kBarriers + 3 * kStages * 8;
-  static constexpr size_t kBytes = kTable + Regroup<kN, kM>::kCodes * 8 + 1024;  // + slack to align the ring
+  static constexpr size_t kBytes = kTable + Regroup<kN, kM>::kEntryCodes * 8 + 1024;  // + slack to align the ring
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
   static constexpr uint32_t kWindowBytes = kTileW * OffsetWindow::kWindowWords * 4;  // ... plus, by tensor copy
   static_assert(OffsetWindow::kWindowWords >= 3 + (kGroup * F::kEntries * F::kBits + 31) / 32 + 1,
@@ -587,7 +600,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     // chose the words' pointer between a slot and the stage, and the compiler then read them with
     // generic loads (about 20% more instructions in the regrouping loop): 0.90-0.93x at 150-640
     // rows, 1.00x at 1024-4096 -- the regrouping threads' path through a step binds at those rows
-    // (and more of them did not shorten it: kRegroupThreads).
+    // (more of them did not shorten it, kRegroupThreads; fewer instructions on it did,
+    // Regroup::kLookup).
     const uint32_t words = static_cast<uint32_t>(L::kX + L::kA + F::kValues);
     auto values = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
