@@ -347,14 +347,16 @@ struct Regroup {
   // loop went from 197 to 157 instructions (28 to 20 shared loads) and the kernel ran 1.04-1.06x as
   // fast at 150-640 rows on the LLaMA shapes, 0.98-1.02x at 4096. 1:8's groups are two blocks: a
   // pair would need four selectors an entry.
-  static constexpr int kLookup = kBlocks == 1 ? 2 : 1;
-  static constexpr int kLookups = kChunkGroups / kLookup;      // table reads per chunk row
-  static constexpr int kEntryCodes = 1 << (F::kGroupBits * kLookup);
+  static constexpr int kEntryGroups = kBlocks == 1 ? 2 : 1;
+  static constexpr int kEntryValues = kEntryGroups * kN;         // stored entries an entry covers
+  static constexpr int kLookups = kChunkGroups / kEntryGroups;   // table reads per chunk row
+  static constexpr int kEntryCodes = 1 << (F::kGroupBits * kEntryGroups);
+  static_assert(kEntryValues == 1 || kEntryValues == 2, "an entry's stored values: half a value word, or all of it");
   static_assert(kN <= 2 && (kM == 4 || kM == 8), "at most 2 entries in every 4 positions, blocks inside groups");
   static_assert(kChunkEntries * 2 == 8 || kChunkEntries * 2 == 4, "a chunk's values are read as one word or two");
 };
 
-// Table entry `entry` for kLookup consecutive groups whose offset bits are `entry` (group l's at
+// Table entry `entry` for kEntryGroups consecutive groups whose offset bits are `entry` (group l's at
 // bits l * kGroupBits): x holds, per 4-position block b of group l, the byte-permute selector (bits
 // 16s..16s+15, s = l * kBlocks + b) that turns the groups' stored values (entry e of group l in bytes
 // 2(l N + e), 2(l N + e) + 1 of a word; 4 = a zero byte) into the block's two 2:4 values, and y the
@@ -368,7 +370,7 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
   constexpr int kBits = R::F::kBits;
   for (int entry = threadIdx.x; entry < R::kEntryCodes; entry += kThreads) {
     uint32_t selectors = 0, metadata = 0;
-    for (int lb = 0; lb < R::kLookup * R::kBlocks; ++lb) {
+    for (int lb = 0; lb < R::kEntryGroups * R::kBlocks; ++lb) {
       const int l = lb / R::kBlocks, b = lb % R::kBlocks;  // group l of the entry's, its block b
       const int code = (entry >> (l * R::F::kGroupBits)) & (R::kCodes - 1);
       // The block's first and second entries: positions p0, p1 inside it, stored entries e0, e1
@@ -469,7 +471,7 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int g = 0; g < R::kLookups; ++g)
-        entries[j][h][g] = table[(codes[j][h] >> (g * R::kLookup * F::kGroupBits)) & (R::kEntryCodes - 1)];
+        entries[j][h][g] = table[(codes[j][h] >> (g * R::kEntryGroups * F::kGroupBits)) & (R::kEntryCodes - 1)];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     if (!live(j)) continue;
@@ -480,9 +482,9 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
       uint32_t out[4], m16 = 0;
 #pragma unroll
       for (int g = 0; g < R::kLookups; ++g) {
-        constexpr int kOut = R::kLookup * R::kBlocks;  // 2:4 words (4-position blocks) an entry fills
+        constexpr int kOut = R::kEntryGroups * R::kBlocks;  // 2:4 words (4-position blocks) an entry fills
         const uint2 e = entries[j][h][g];
-        const uint32_t stored = kN == 2 || R::kLookup == 2 ? values[j][h][g] : values[j][h][g >> 1] >> (16 * (g & 1));
+        const uint32_t stored = R::kEntryValues == 2 ? values[j][h][g] : values[j][h][g >> 1] >> (16 * (g & 1));
 #pragma unroll
         for (int b = 0; b < kOut; ++b) out[g * kOut + b] = __byte_perm(stored, 0u, e.x >> (16 * b));
         m16 |= e.y << (4 * kOut * g);
@@ -601,7 +603,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     // generic loads (about 20% more instructions in the regrouping loop): 0.90-0.93x at 150-640
     // rows, 1.00x at 1024-4096 -- the regrouping threads' path through a step binds at those rows
     // (more of them did not shorten it, kRegroupThreads; fewer instructions on it did,
-    // Regroup::kLookup).
+    // Regroup::kEntryGroups).
     const uint32_t words = static_cast<uint32_t>(L::kX + L::kA + F::kValues);
     auto values = [&](int s, int t) {
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
