@@ -187,11 +187,12 @@ def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nou
 def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_name, rows, k, nout):
     """The regrouping kernel where rows of offset words are 16-byte multiples (K a multiple of 1024
     here, for 1:4, 2:8 and 1:8): each group of steps' words come as one tensor copy of a window from
-    the 16-byte boundary before the group's first bit (wgmma_sp.cu, OffsetWindow). Stream-K over 96
-    tiles of 256 rows (the last overlapping the one before), 256-, 128- and 64-row tiles, Nout off
-    the 128-row tile (the window past Nout reads zeros), K split over a cluster; on 132 SMs the last
-    three take 160-row tiles split 2 and 3 ways and 192-row tiles split 2 ways (session 53), whose
-    groups are of 2 steps. Outputs poisoned."""
+    the 16-byte boundary before the group's first bit (wgmma_sp.cu, OffsetWindow). On 132 SMs
+    (session 53's plans): 160-row tiles unsplit (since session 51, not stream-K:
+    test_regrouping_kernel_stream_k_when_forced) and split 5 ways, 64-row tiles split 4 and 8 ways
+    over a cluster, Nout off the 128-column weight tile (the window past Nout reads zeros); the last
+    three 160-row tiles split 2 and 3 ways and 192-row tiles split 2 ways, whose groups are of 2
+    steps. Outputs poisoned."""
     packed = assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
     assert packed.indices.shape[1] % 4 == 0  # the rows the tensor copies take
 
