@@ -33,6 +33,16 @@ __device__ __forceinline__ uint32_t load_stream4(const uint32_t* p) {
   return v;
 }
 
+// Bytes of {b, a} picked by the low 16 bits of `selector` (nibble n: result byte n, 0-3 from a,
+// 4-7 from b). Unlike __byte_perm, which ignores each nibble's top bit and so masks the selector
+// with 0x7777 first (one more instruction), the selector goes to PRMT as it is: selectors here
+// never set that bit (PTX's sign-replicating mode).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without it):
 // wait until the previous kernel in the stream has finished and its writes are visible ...
 __device__ __forceinline__ void wait_for_previous_kernel() {

@@ -149,12 +149,6 @@ struct SelectorTable {
 template <int kN, int kM, int kLanes>
 __device__ SelectorTable<kN, kM, kLanes> kSelectorTable;
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
-  return d;
-}
-
 // The `width` bits at compile-time bit `bit` of the little-endian string w[], times 2^kKeyShift (a
 // table key's byte offset: 32 or 16 lanes of 4 bytes), in one shift and, with the lane's byte
 // offset, one LOP3.

@@ -351,25 +351,42 @@ struct Regroup {
   static constexpr int kEntryValues = kEntryGroups * kN;         // stored entries an entry covers
   static constexpr int kLookups = kChunkGroups / kEntryGroups;   // table reads per chunk row
   static constexpr int kEntryCodes = 1 << (F::kGroupBits * kEntryGroups);
+  // Lookup g's stored values lie in bytes 2 g kEntryValues.. of the chunk's: word g where an entry
+  // covers a whole value word; for 1:8 (half a word) the half of word 0 at byte 2g, which copy
+  // g % kVariants of the table points its selectors at, instead of shifting the word.
+  static constexpr int kVariants = kEntryValues == 1 ? kLookups : 1;
+  // A warp's 8-byte lookups go to shared memory a half-warp at a time, and two lanes of one reading
+  // different entries in the same banks wait for each other. A copy's entries in at most 128 bytes
+  // never do that (1:4, 1:8); 2:8's 64 are 512 bytes, so the table holds one copy a lane of the
+  // half-warp (8 KB), entry e of lane l's at 8 (16 e + l), all of lane l's in banks 2l, 2l + 1.
+  // Session 54 (BENCHMARKS.md): 2:8's shared-load bank conflicts went from 2.1 million to 31
+  // thousand a call (640 x 11008 x 4096, ncu) and the kernel ran 1.03-1.07x as fast at 150-640
+  // rows; 16-byte entries (both selectors unshifted) had doubled them and ran 0.85-0.93x.
+  static constexpr int kLaneCopies = kEntryCodes * 8 > 128 ? 16 : 1;
+  static constexpr int kTableEntries = kVariants * kEntryCodes * kLaneCopies;
   static_assert(kEntryValues == 1 || kEntryValues == 2, "an entry's stored values: half a value word, or all of it");
+  static_assert(kEntryGroups * kBlocks == 2 && kLookups == 2, "an entry fills two 2:4 words, a chunk row two entries");
   static_assert(kN <= 2 && (kM == 4 || kM == 8), "at most 2 entries in every 4 positions, blocks inside groups");
   static_assert(kChunkEntries * 2 == 8 || kChunkEntries * 2 == 4, "a chunk's values are read as one word or two");
 };
 
-// Table entry `entry` for kEntryGroups consecutive groups whose offset bits are `entry` (group l's at
-// bits l * kGroupBits): x holds, per 4-position block b of group l, the byte-permute selector (bits
-// 16s..16s+15, s = l * kBlocks + b) that turns the groups' stored values (entry e of group l in bytes
-// 2(l N + e), 2(l N + e) + 1 of a word; 4 = a zero byte) into the block's two 2:4 values, and y the
-// block's metadata nibble (bits 4s..4s+3). A block with one entry at position p pairs it
-// with a zero at 3 (or at 2 when p = 3), an empty block holds zeros at (0, 1): metadata is always
-// two increasing positions. A repeated offset -- the (0, 0) of padding, whose values are zero --
-// counts once.
+// Table entry `entry` of variant q (Regroup::kVariants) for kEntryGroups consecutive groups whose
+// offset bits are `entry` (group l's at bits l * kGroupBits), in each of its kLaneCopies: for the
+// entry's 4-position blocks s = 0, 1 (block b of group l, s = l * kBlocks + b), x holds in bits
+// 16s..16s+15 the PRMT selector that turns the groups' stored values (entry e of group l in bytes
+// 2(l N + e + q kEntryValues), +1 of a word; 4 = a zero byte) into block s's two 2:4 values (PRMT
+// reads bits 0-15: block 0's takes no shift); y holds the blocks' metadata nibbles (bits 4s..4s+3)
+// in byte 0 and again in byte 1, so that a chunk row's two entries make its 16 metadata bits in one
+// LOP3. A block with one entry at position p pairs it with a zero at 3 (or at 2 when p = 3), an
+// empty block holds zeros at (0, 1): metadata is always two increasing positions. A repeated offset
+// -- the (0, 0) of padding, whose values are zero -- counts once.
 template <int kN, int kM>
 __device__ __forceinline__ void fill_regroup_table(uint2* table) {
   using R = Regroup<kN, kM>;
   constexpr int kBits = R::F::kBits;
-  for (int entry = threadIdx.x; entry < R::kEntryCodes; entry += kThreads) {
-    uint32_t selectors = 0, metadata = 0;
+  for (int index = threadIdx.x; index < R::kVariants * R::kEntryCodes; index += kThreads) {
+    const int entry = index % R::kEntryCodes, first = index / R::kEntryCodes * R::kEntryValues;
+    uint32_t selectors[2], metadata = 0;
     for (int lb = 0; lb < R::kEntryGroups * R::kBlocks; ++lb) {
       const int l = lb / R::kBlocks, b = lb % R::kBlocks;  // group l of the entry's, its block b
       const int code = (entry >> (l * R::F::kGroupBits)) & (R::kCodes - 1);
@@ -384,17 +401,29 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
         else p1 = off % 4, e1 = e;
         ++count;
       }
-      auto bytes = [](int e) { return static_cast<uint32_t>(2 * e) | static_cast<uint32_t>(2 * e + 1) << 4; };
+      auto bytes = [&](int e) {
+        e += first;
+        return static_cast<uint32_t>(2 * e) | static_cast<uint32_t>(2 * e + 1) << 4;
+      };
       uint32_t sel, nibble;
       if (count == 0) sel = 0x4444u, nibble = 0u | 1u << 2;
       else if (count == 1 && p0 < 3) sel = bytes(e0) | 0x44u << 8, nibble = p0 | 3u << 2;
       else if (count == 1) sel = 0x44u | bytes(e0) << 8, nibble = 2u | 3u << 2;
       else sel = bytes(e0) | bytes(e1) << 8, nibble = p0 | p1 << 2;
-      selectors |= sel << (16 * lb);
+      selectors[lb] = sel;
       metadata |= nibble << (4 * lb);
     }
-    table[entry] = make_uint2(selectors, metadata);
+    for (int lane = 0; lane < R::kLaneCopies; ++lane)
+      table[index * R::kLaneCopies + lane] = make_uint2(selectors[0] | selectors[1] << 16, metadata | metadata << 8);
   }
+}
+
+// (a & kB) | c in one LOP3, which the compiler splits in two when c is known to be a few bits wide.
+template <uint32_t kB>
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(kB), "r"(c));
+  return d;
 }
 
 // Where a step's offset words lie: `rows` (row r's at rows + r * per_row), the step's first offset
@@ -410,15 +439,18 @@ struct OffsetWindow {
   // 48-byte rows: a word of 8 consecutive rows falls in 8 different banks (in 8-word rows, in 4:
   // A9 in BENCHMARKS.md, session 49)
   static constexpr int kWindowWords = 12;
+  // (Steps and slots count from 0 and groups are a power of two: a group's first is a mask away,
+  // where t - t % kGroup would take signed-remainder instructions every step.)
   template <typename F, int kGroup>
   __host__ __device__ static int64_t first_word(int64_t t, bool tensor) {
-    return tensor ? F::first_word(t - t % kGroup) & ~int64_t{3} : F::first_word(t);
+    static_assert((kGroup & (kGroup - 1)) == 0, "groups of a power of two steps");
+    return tensor ? F::first_word(t & ~int64_t{kGroup - 1}) & ~int64_t{3} : F::first_word(t);
   }
   // Step t in ring slot s; `tile(s)`: a stage's packed tile.
   template <typename F, int kGroup, typename Tile>
   __device__ static OffsetWindow of(int64_t t, int s, bool tensor, Tile&& tile) {
     const int64_t bit = t * F::kEntries * F::kBits;
-    return {reinterpret_cast<const uint32_t*>(tile(tensor ? s - s % kGroup : s) + F::kValues),
+    return {reinterpret_cast<const uint32_t*>(tile(tensor ? s & ~(kGroup - 1) : s) + F::kValues),
             static_cast<int>(bit - first_word<F, kGroup>(t, tensor) * 32), tensor ? kWindowWords : F::kIndexWords};
   }
 };
@@ -429,15 +461,23 @@ struct OffsetWindow {
 // block-tile rows `row` and row + 8 of v's place in the MMA layout -- from the packed tile into
 // the 2:4 tile (64-byte swizzle) and v's metadata word (row in bits 0-15, row + 8 in 16-31) at
 // meta[v]: lanes 4g and 4g + 1 of a consumer warp read the words of chunks 2s and 2s + 1 for MMA
-// s (wgmma_ops.cuh). All reads come first, then the table lookups, then the writes: a store to
-// the tile that the compiler cannot tell from the next chunk's reads would serialise the chunks,
-// and a few regrouping warps have little else to hide that latency with.
+// s (wgmma_ops.cuh). All reads come first, then the table lookups, then the writes: a few
+// regrouping warps have little else to hide the reads' latency with (session 54: each share's
+// lookups between the previous share's writes ran 2:8 0.87-0.92x at 150-640 rows). The loop from
+// the "full" wait to the "ready" arrive is what bounds the kernel at 150-640 rows (sessions 53-54):
+// session 54 cut it from 316 to 241 instructions for 2:8, 179 to 141 for 1:4, 181 to 147 for 1:8
+// on the 160-row tile (cuobjdump -sass) -- selectors as PRMT takes them (no 0x7777 mask, no shift
+// for block 0), the table in static shared memory (addressed from a uniform register), codes whose
+// table offset is one LOP3, each row's offset-word addresses one add from row 0's, a group's first
+// step by mask.
 template <int kN, int kM, int kRegroupThreads>
 __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindow words, int i, uint8_t* a_tile,
                                               uint32_t* meta, const uint2* table) {
   using R = Regroup<kN, kM>;
   using F = typename R::F;
   constexpr int kPer = (kThreads + kRegroupThreads - 1) / kRegroupThreads;
+  constexpr int kCodeShift = R::kLaneCopies == 16 ? 7 : 3;  // a code times an entry's bytes (its copies')
+  const uint32_t lane_copy = (threadIdx.x & (R::kLaneCopies - 1)) * 8;  // this lane's copy, in bytes
   // Whether share j is a consumer thread's (the last may run past the 256 when kRegroupThreads
   // does not divide them: it then reads share 0 again and writes nothing).
   auto live = [&](int j) { return kThreads % kRegroupThreads == 0 || i + j * kRegroupThreads < kThreads; };
@@ -448,13 +488,22 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
     const int v = live(j) ? i + j * kRegroupThreads : i, w = v >> 5, l = v & 31;
     rows[j] = (w >> 2) * 64 + (w & 3) * 16 + (l >> 2);
     qs[j] = l & 3;
-    const int bit = words.first_bit + qs[j] * R::kChunkBits, word = bit >> 5, shift = bit & 31;
+    // The chunk's offset bits land at bit 3 of codes[j][h] (kCodeShift), so that its first table
+    // entry's byte offset is one AND away. Taking them from 3 bits early may start a word before
+    // the row's (bit < 0: the previous row's last word, or the packed values' at row 0), whose bits
+    // fall below bit 3; they never reach past the step's copied words, so min keeps the second read
+    // in them. The two words' addresses are row 0's, as bytes, so that each row adds its own offset
+    // (kept from step to step) and no more.
+    const int bit = words.first_bit + qs[j] * R::kChunkBits - kCodeShift, word = bit >> 5, shift = bit & 31;
+    const uint8_t* low = reinterpret_cast<const uint8_t*>(words.rows + word);
+    const uint8_t* high = reinterpret_cast<const uint8_t*>(words.rows + min(word + 1, words.per_row - 1));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rows[j] + 8 * h;
-      const uint32_t* row_words = words.rows + r * words.per_row;
-      // The chunk's offset bits never reach past the step's copied words (min keeps the read in them).
-      codes[j][h] = __funnelshift_r(row_words[word], row_words[min(word + 1, words.per_row - 1)], shift);
+      int row_bytes;  // opaque to the compiler, which would else fold the word into each row's index
+      asm("mov.b32 %0, %1;" : "=r"(row_bytes) : "r"(r * words.per_row * 4));
+      codes[j][h] = __funnelshift_r(*reinterpret_cast<const uint32_t*>(low + row_bytes),
+                                    *reinterpret_cast<const uint32_t*>(high + row_bytes), shift);
       const uint8_t* stored = packed + r * F::kValueBytes + qs[j] * R::kChunkEntries * 2;
       if constexpr (R::kChunkEntries * 2 == 8) {
         const uint2 u = *reinterpret_cast<const uint2*>(stored);
@@ -470,37 +519,42 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int g = 0; g < R::kLookups; ++g)
-        entries[j][h][g] = table[(codes[j][h] >> (g * R::kEntryGroups * F::kGroupBits)) & (R::kEntryCodes - 1)];
+      for (int g = 0; g < R::kLookups; ++g) {
+        constexpr uint32_t kMask = (R::kEntryCodes - 1) << kCodeShift;
+        const uint32_t at = and_or<kMask>(codes[j][h] >> (g * R::kEntryGroups * F::kGroupBits), lane_copy);  // bytes
+        entries[j][h][g] = *reinterpret_cast<const uint2*>(
+            reinterpret_cast<const uint8_t*>(table + g % R::kVariants * R::kEntryCodes * R::kLaneCopies) + at);
+      }
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     if (!live(j)) continue;
-    uint32_t metadata = 0;
+    const uint2(&e)[2][R::kLookups] = entries[j];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rows[j] + 8 * h;
-      uint32_t out[4], m16 = 0;
+      uint32_t out[4];
 #pragma unroll
       for (int g = 0; g < R::kLookups; ++g) {
-        constexpr int kOut = R::kEntryGroups * R::kBlocks;  // 2:4 words (4-position blocks) an entry fills
-        const uint2 e = entries[j][h][g];
-        const uint32_t stored = R::kEntryValues == 2 ? values[j][h][g] : values[j][h][g >> 1] >> (16 * (g & 1));
-#pragma unroll
-        for (int b = 0; b < kOut; ++b) out[g * kOut + b] = __byte_perm(stored, 0u, e.x >> (16 * b));
-        m16 |= e.y << (4 * kOut * g);
+        const uint32_t stored = values[j][h][g * R::kEntryValues / 2];
+        out[2 * g] = prmt(stored, 0u, e[h][g].x), out[2 * g + 1] = prmt(stored, 0u, e[h][g].x >> 16);
       }
       *reinterpret_cast<uint4*>(a_tile + r * kStored * 2 + ((qs[j] ^ ((r >> 1) & 3)) << 4)) =
           make_uint4(out[0], out[1], out[2], out[3]);
-      metadata |= m16 << (16 * h);
     }
-    meta[i + j * kRegroupThreads] = metadata;
+    // Row r's nibbles in bits 0-15 (byte 0 of its first entry's y, byte 1 of its second's: one
+    // LOP3), row r + 8's in bits 16-31.
+    uint32_t rows_meta[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rows_meta[h] = (e[h][0].y & 0xffu) | (e[h][1].y & ~0xffu);
+    meta[i + j * kRegroupThreads] = prmt(rows_meta[0], rows_meta[1], 0x5410u);
   }
 }
 
 // A step of the regrouping kernel in shared memory: the activation tile (128-byte swizzle), the
 // regrouped 2:4 tile (64-byte swizzle), the packed tile as copied (values, then offset words) and
 // the regrouped tile's metadata words; a ring of kStages steps, then the stages' "full", "ready"
-// and "empty" barriers, then the regrouping table. kPerSm blocks share an SM: 1, or 2 with a ring
+// and "empty" barriers. (The regrouping table is static shared memory, whose address the lookups
+// take from a uniform register: one add fewer each.) kPerSm blocks share an SM: 1, or 2 with a ring
 // of at most 100 KB each (two_per_sm_split), whose offset words always go by cp.async (room for
 // the tensor copies' wider rows would leave it too few stages).
 template <int kN, int kM, int kRows, int kPerSm = 1>
@@ -517,8 +571,8 @@ struct RegroupLayout {
   static constexpr int kGroup = kFit >= 8 ? 4 : 2;  // steps per group, issued in halves (consume)
   static constexpr int kStages = kFit / kGroup * kGroup;
   static constexpr size_t kBarriers = kStages * kStage;
-  static constexpr size_t kTable = kBarriers + 3 * kStages * 8;
-  static constexpr size_t kBytes = kTable + Regroup<kN, kM>::kEntryCodes * 8 + 1024;  // + slack to align the ring
+  static constexpr size_t kBytes = kBarriers + 3 * kStages * 8 + 1024;  // + slack to align the ring
+  static constexpr size_t kTableBytes = Regroup<kN, kM>::kTableEntries * sizeof(uint2);  // static
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
   static constexpr uint32_t kWindowBytes = kTileW * OffsetWindow::kWindowWords * 4;  // ... plus, by tensor copy
   static_assert(OffsetWindow::kWindowWords >= 3 + (kGroup * F::kEntries * F::kBits + 31) / 32 + 1,
@@ -527,7 +581,8 @@ struct RegroupLayout {
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group is copied and regrouped");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
   static_assert(kPerSm == 2 || kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
-  static_assert(kPerSm == 1 || 2 * (kBytes + 1024) <= 228 * 1024, "two blocks (and their reserved 1 KB) per SM");
+  static_assert(kBytes + kTableBytes <= 227 * 1024, "a block's shared memory, dynamic and static");
+  static_assert(kPerSm == 1 || 2 * (kBytes + kTableBytes + 1024) <= 228 * 1024, "two blocks (and their reserved 1 KB) per SM");
 };
 
 
@@ -555,7 +610,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
   const uint32_t ring = sm90::smem_addr(smem);
-  uint2* table = reinterpret_cast<uint2*>(smem + L::kTable);
+  __shared__ uint2 table[Regroup<kN, kM>::kTableEntries];
   auto stage_at = [&](int s) { return ring + static_cast<uint32_t>(s * L::kStage); };
   auto full = [&](int s) { return ring + static_cast<uint32_t>(L::kBarriers) + s * 8; };  // copies landed
   auto ready = [&](int s) { return full(S) + s * 8; };                                     // regrouped
