@@ -352,7 +352,7 @@ struct Regroup {
   static constexpr int kLookups = kChunkGroups / kEntryGroups;   // table reads per chunk row
   static constexpr int kEntryCodes = 1 << (F::kGroupBits * kEntryGroups);
   // Lookup g's stored values lie in bytes 2 g kEntryValues.. of the chunk's: word g where an entry
-  // covers a whole value word; for 1:8 (half a word) the half of word 0 at byte 2g, which copy
+  // covers a whole value word; for 1:8 (half a word) the half of word 0 at byte 2g, which variant
   // g % kVariants of the table points its selectors at, instead of shifting the word.
   static constexpr int kVariants = kEntryValues == 1 ? kLookups : 1;
   // A warp's 8-byte lookups go to shared memory a half-warp at a time, and two lanes of one reading
@@ -361,7 +361,7 @@ struct Regroup {
   // half-warp (8 KB), entry e of lane l's at 8 (16 e + l), all of lane l's in banks 2l, 2l + 1.
   // Session 54 (BENCHMARKS.md): 2:8's shared-load bank conflicts went from 2.1 million to 31
   // thousand a call (640 x 11008 x 4096, ncu) and the kernel ran 1.03-1.07x as fast at 150-640
-  // rows; 16-byte entries (both selectors unshifted) had doubled them and ran 0.85-0.93x.
+  // rows; 16-byte entries (both selectors unshifted) had doubled them and ran 0.86-0.94x.
   static constexpr int kLaneCopies = kEntryCodes * 8 > 128 ? 16 : 1;
   static constexpr int kTableEntries = kVariants * kEntryCodes * kLaneCopies;
   static_assert(kEntryValues == 1 || kEntryValues == 2, "an entry's stored values: half a value word, or all of it");
