@@ -43,6 +43,15 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
   return d;
 }
 
+// (a & kB) | c in one LOP3. Left to itself the compiler splits it in two where it knows c to be a
+// few bits wide (a lane's byte offset merged into a table key).
+template <uint32_t kB>
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(kB), "r"(c));
+  return d;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without it):
 // wait until the previous kernel in the stream has finished and its writes are visible ...
 __device__ __forceinline__ void wait_for_previous_kernel() {

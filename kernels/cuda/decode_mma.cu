@@ -163,9 +163,7 @@ __device__ __forceinline__ uint32_t key_offset(const uint32_t (&w)[4], uint32_t 
   else moved = w[word] << (kKeyShift - shift);
   // (moved & mask) | lane_bytes in one LOP3: left to itself, the compiler folds the lane's `& 31` into
   // every key and splits the merge in two (16-row kernels).
-  uint32_t key;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(key) : "r"(moved), "n"(mask), "r"(lane_bytes));
-  return key;
+  return and_or<mask>(moved, lane_bytes);
 }
 
 template <int V>

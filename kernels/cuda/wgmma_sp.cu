@@ -362,8 +362,12 @@ struct Regroup {
   // Session 54 (BENCHMARKS.md): 2:8's shared-load bank conflicts went from 2.1 million to 31
   // thousand a call (640 x 11008 x 4096, ncu) and the kernel ran 1.03-1.07x as fast at 150-640
   // rows; 16-byte entries (both selectors unshifted) had doubled them and ran 0.86-0.94x.
-  static constexpr int kLaneCopies = kEntryCodes * 8 > 128 ? 16 : 1;
+  static constexpr int kEntryBytes = sizeof(uint2);
+  static constexpr int kLaneCopies = kEntryCodes * kEntryBytes > 128 ? 16 : 1;
   static constexpr int kTableEntries = kVariants * kEntryCodes * kLaneCopies;
+  // A code's byte offset in the table is the code shifted up this far (regroup_share reads the
+  // chunk's offset bits this many bits early).
+  static constexpr int kCodeShift = index_bits(kEntryBytes * kLaneCopies);
   static_assert(kEntryValues == 1 || kEntryValues == 2, "an entry's stored values: half a value word, or all of it");
   static_assert(kEntryGroups * kBlocks == 2 && kLookups == 2, "an entry fills two 2:4 words, a chunk row two entries");
   static_assert(kN <= 2 && (kM == 4 || kM == 8), "at most 2 entries in every 4 positions, blocks inside groups");
@@ -418,14 +422,6 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
   }
 }
 
-// (a & kB) | c in one LOP3, which the compiler splits in two when c is known to be a few bits wide.
-template <uint32_t kB>
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(kB), "r"(c));
-  return d;
-}
-
 // Where a step's offset words lie: `rows` (row r's at rows + r * per_row), the step's first offset
 // bit at bit `first_bit` of each row's first word. Copied by the producer's lanes (cp.async), a
 // step's packed tile holds, after its values, the kIndexWords of each row from the word with the
@@ -476,8 +472,7 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
   using R = Regroup<kN, kM>;
   using F = typename R::F;
   constexpr int kPer = (kThreads + kRegroupThreads - 1) / kRegroupThreads;
-  constexpr int kCodeShift = R::kLaneCopies == 16 ? 7 : 3;  // a code times an entry's bytes (its copies')
-  const uint32_t lane_copy = (threadIdx.x & (R::kLaneCopies - 1)) * 8;  // this lane's copy, in bytes
+  const uint32_t lane_copy = (threadIdx.x & (R::kLaneCopies - 1)) * R::kEntryBytes;  // this lane's copy, in bytes
   // Whether share j is a consumer thread's (the last may run past the 256 when kRegroupThreads
   // does not divide them: it then reads share 0 again and writes nothing).
   auto live = [&](int j) { return kThreads % kRegroupThreads == 0 || i + j * kRegroupThreads < kThreads; };
@@ -488,13 +483,13 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
     const int v = live(j) ? i + j * kRegroupThreads : i, w = v >> 5, l = v & 31;
     rows[j] = (w >> 2) * 64 + (w & 3) * 16 + (l >> 2);
     qs[j] = l & 3;
-    // The chunk's offset bits land at bit 3 of codes[j][h] (kCodeShift), so that its first table
-    // entry's byte offset is one AND away. Taking them from 3 bits early may start a word before
-    // the row's (bit < 0: the previous row's last word, or the packed values' at row 0), whose bits
-    // fall below bit 3; they never reach past the step's copied words, so min keeps the second read
-    // in them. The two words' addresses are row 0's, as bytes, so that each row adds its own offset
-    // (kept from step to step) and no more.
-    const int bit = words.first_bit + qs[j] * R::kChunkBits - kCodeShift, word = bit >> 5, shift = bit & 31;
+    // The chunk's offset bits land at bit R::kCodeShift of codes[j][h] (3; 7 for 2:8's lane copies),
+    // so that its first table entry's byte offset is one AND away. Taking them that many bits early
+    // may start a word before the row's (bit < 0: the previous row's last word, or the packed
+    // values' at row 0), whose bits fall below the code; they never reach past the step's copied
+    // words, so min keeps the second read in them. The two words' addresses are row 0's, as bytes,
+    // so that each row adds its own offset (kept from step to step) and no more.
+    const int bit = words.first_bit + qs[j] * R::kChunkBits - R::kCodeShift, word = bit >> 5, shift = bit & 31;
     const uint8_t* low = reinterpret_cast<const uint8_t*>(words.rows + word);
     const uint8_t* high = reinterpret_cast<const uint8_t*>(words.rows + min(word + 1, words.per_row - 1));
 #pragma unroll
@@ -520,7 +515,7 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int g = 0; g < R::kLookups; ++g) {
-        constexpr uint32_t kMask = (R::kEntryCodes - 1) << kCodeShift;
+        constexpr uint32_t kMask = (R::kEntryCodes - 1) << R::kCodeShift;
         const uint32_t at = and_or<kMask>(codes[j][h] >> (g * R::kEntryGroups * F::kGroupBits), lane_copy);  // bytes
         entries[j][h][g] = *reinterpret_cast<const uint2*>(
             reinterpret_cast<const uint8_t*>(table + g % R::kVariants * R::kEntryCodes * R::kLaneCopies) + at);
@@ -572,7 +567,7 @@ struct RegroupLayout {
   static constexpr int kStages = kFit / kGroup * kGroup;
   static constexpr size_t kBarriers = kStages * kStage;
   static constexpr size_t kBytes = kBarriers + 3 * kStages * 8 + 1024;  // + slack to align the ring
-  static constexpr size_t kTableBytes = Regroup<kN, kM>::kTableEntries * sizeof(uint2);  // static
+  static constexpr size_t kTableBytes = Regroup<kN, kM>::kTableEntries * Regroup<kN, kM>::kEntryBytes;  // static
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
   static constexpr uint32_t kWindowBytes = kTileW * OffsetWindow::kWindowWords * 4;  // ... plus, by tensor copy
   static_assert(OffsetWindow::kWindowWords >= 3 + (kGroup * F::kEntries * F::kBits + 31) / 32 + 1,
