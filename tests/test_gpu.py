@@ -340,7 +340,7 @@ def test_device_two_of_four_copy_matches_the_host_one(rng, n, m, dtype_name, k, 
 def test_sparse_tensor_cores_stage_a_two_of_four_copy(rng, n, m, dtype_name, rows, k, nout):
     """Calls without a 2:4 copy on the sparse tensor cores: patterns their kernels regroup (1:4,
     2:8, 1:8) stage a copy in the workspace from kStagedCopyFromRows rows and kStagedCopyMinOutputs
-    outputs (dispatch.cu; 2100 x 1000 and 4100 x 130 do not, 1030 x 4100 and 3100 x 1030 do), the
+    outputs (dispatch.cu; 1030 x 4100, 2100 x 1000 and 4100 x 130 do not, 3100 x 1030 does), the
     other patterns that fit 2:4 at any row count. Poisoned workspace and outputs, the float64
     reference; K off the 64-position step and Nout off the 128-column tile."""
     if not kernels.cuda_path_supported("wgmma_sp", rows, n, m, dtype_name, k):

@@ -82,7 +82,7 @@
 //    1 mostly on 4096x14336) and 1.37-1.70x from 48, so those take the copy from 9 rows. Session
 //    34 (scratch/copy34.py, 9-16 rows on 4096 and 8192 x 1024, 2:8, 1:8, 1:4): the copy on the
 //    sparse tensor cores ran 1.77-3.00x the faster of decode and mma on the weight.
-//  * From kStagedCopyFromRows (1024) rows, fp16/bf16 1:4, 2:8 and 1:8 weights that carry no 2:4
+//  * From kStagedCopyFromRows (2048) rows, fp16/bf16 1:4, 2:8 and 1:8 weights that carry no 2:4
 //    copy have the sparse tensor cores read one staged in the call's workspace: one kernel writes
 //    it (two_of_four_copy.cu, at 79-99% of the copy bandwidth on the LLaMA projections), the 2:4
 //    kernel reads it, where the regrouping kernel rebuilt the same 2:4 tiles in every block that
@@ -91,9 +91,13 @@
 //    11008 x 4096, 4096 x 14336 and 14336 x 4096): 0.72-0.95x at 512 rows, 0.96-1.15x at 1024
 //    (below 1 only on 11008 x 4096), 1.00-1.26x at 2048 and 1.04-1.28x at 4096. On narrow outputs it
 //    lost or tied (session 41: 0.85-0.96x at 2.1M output entries, 0.95-1.04x at 1M), so it also needs
-//    rows x Nout of kStagedCopyMinOutputs (3 x 2^20; the LLaMA projections reach it at 1024 rows). Other patterns that
-//    fit 2:4 (2:16, 1:16, 1:3, 2:32, ...) reach the sparse tensor cores only that way: see
-//    staging_pays for where.
+//    rows x Nout of kStagedCopyMinOutputs (3 x 2^20). Session 55 moved it from 1024 rows, where the
+//    regrouping kernel (faster since session 40) had come to beat the staged copy (H100, ab_kernels
+//    --path auto against a build that never stages, on 4096 x 4096, 11008 x 4096, 4096 x 11008,
+//    4096 x 14336 and 14336 x 4096): at 1024 rows the regrouping kernel ran 1.06-1.16x the staged
+//    copy for 2:8, 0.99-1.11x for 1:4 and 0.95-1.09x for 1:8; at 2048 rows 0.93-1.01x, 0.88-0.97x
+//    and 0.88-0.98x. Other patterns that fit 2:4 (2:16, 1:16, 1:3, 2:32, ...) reach the sparse
+//    tensor cores only that way: see staging_pays for where.
 //  * fp32, element-wise: the 3xTF32 warpgroup kernel (wgmma_tf32.cu) from 9 rows, for the families
 //    it compiles; else decode up to 16 rows and the tiled SIMT path above. Session 27
 //    (scratch/tf32.py: decode, tiled and wgmma timed in one process at 9-4096 rows on 4096x4096,
@@ -230,7 +234,8 @@ bool regrouped_in_kernel(int n, int m) {
 // regrouping kernel, 2:8, 1:8 and 1:4 at 1024 and 2048 rows): staging lost on the narrow outputs,
 // 0.87-0.92x on 4096 x 2048 at 1024 rows (2.1M outputs), 0.85-0.96x on 4096 and 8192 x 1024 at 2048
 // rows (2.1M), 0.95-1.04x on them at 1024 rows (1M); it won from 4.2M outputs, 1.21-1.29x on 4096 x
-// 2048 at 2048 rows and 1.12-1.16x on 4096 x 4096 at 1024 rows.
+// 2048 at 2048 rows and 1.12-1.16x on 4096 x 4096 at 1024 rows (before session 55 moved the rows to
+// 2048, above).
 bool stages_copy(const CudaMatMul& c) {
   if (has_copy(c) || c.dtype == DType::f32 || !fits_two_of_four(c.shape.n, c.shape.m)) return false;
   if (!regrouped_in_kernel(c.shape.n, c.shape.m)) return true;
@@ -395,7 +400,7 @@ bool path_supported(const CudaMatMul& call, CudaPath path) {
 
 namespace {
 // Where the sparse tensor cores on a staged 2:4 copy beat the path the call would take otherwise
-// (session 40, H100, forced paths on 4096 x 4096): from kStagedCopyFromRows rows against the
+// (session 40, H100, forced paths on 4096 x 4096): from kStagingPaysFromRows rows against the
 // kernels that regroup or expand the weight on the tensor cores themselves (2:16 on wgmma:
 // 0.57-0.81x at 17-512 rows, 1.01x at 1024, 1.11x at 4096), from 17 rows against the mma path where
 // the copy goes a word per thread (1:16: 1.42x at 17 rows, 1.60x at 64, 3.75-7.2x from 256; 1:2
@@ -403,8 +408,9 @@ namespace {
 // 1.44x and 1.10x at 17 rows, 1.66x and 1.19x at 64, 2.94x and 3.62x at 256) and against the
 // tiled SIMT path (2:32 12.8x, 1:3 7.1x at 17 rows). At 1..16 rows the decode kernels keep what
 // they take.
+constexpr int64_t kStagingPaysFromRows = 1024;
 bool staging_pays(const CudaMatMul& call) {
-  if (call.rows >= kStagedCopyFromRows) return true;
+  if (call.rows >= kStagingPaysFromRows) return true;
   if (call.rows <= kDecodeMaxRows || path_supported(call, CudaPath::wgmma)) return false;
   return !path_supported(call, CudaPath::mma) || two_of_four_copy_by_words(call.shape.n, call.shape.m);
 }

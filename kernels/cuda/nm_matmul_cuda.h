@@ -46,7 +46,7 @@ struct CudaMatMul {
 // From this many rows, and this many outputs (rows x Nout), the sparse tensor cores read 1:4, 2:8
 // and 1:8 weights that carry no 2:4 copy as one staged in the call's workspace
 // (kernels/cuda/dispatch.cu, stages_copy).
-constexpr int64_t kStagedCopyFromRows = 1024;
+constexpr int64_t kStagedCopyFromRows = 2048;
 constexpr int64_t kStagedCopyMinOutputs = int64_t{3} << 20;
 
 // Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).

@@ -376,14 +376,14 @@ struct Regroup {
 
 // Table entry `entry` of variant q (Regroup::kVariants) for kEntryGroups consecutive groups whose
 // offset bits are `entry` (group l's at bits l * kGroupBits), in each of its kLaneCopies: for the
-// entry's 4-position blocks s = 0, 1 (block b of group l, s = l * kBlocks + b), x holds in bits
-// 16s..16s+15 the PRMT selector that turns the groups' stored values (entry e of group l in bytes
-// 2(l N + e + q kEntryValues), +1 of a word; 4 = a zero byte) into block s's two 2:4 values (PRMT
-// reads bits 0-15: block 0's takes no shift); y holds the blocks' metadata nibbles (bits 4s..4s+3)
-// in byte 0 and again in byte 1, so that a chunk row's two entries make its 16 metadata bits in one
-// LOP3. A block with one entry at position p pairs it with a zero at 3 (or at 2 when p = 3), an
-// empty block holds zeros at (0, 1): metadata is always two increasing positions. A repeated offset
-// -- the (0, 0) of padding, whose values are zero -- counts once.
+// entry's 4-position blocks s = 0, 1 (block b of group l, s = l * kBlocks + b), the PRMT selector
+// that turns the groups' stored values (entry e of group l in bytes 2(l N + e + q kEntryValues), +1
+// of a word; 4 = a zero byte) into block s's two 2:4 values, block 0's in bits 0-15 of x and block
+// 1's in bits 0-15 of y (PRMT reads only those: no shift before either); the blocks' metadata
+// nibbles (bits 4s..4s+3 of a byte) in byte 2 of x, so that one PRMT makes a chunk row's 16
+// metadata bits from its two entries. A block with one entry at position p pairs it with a zero at
+// 3 (or at 2 when p = 3), an empty block holds zeros at (0, 1): metadata is always two increasing
+// positions. A repeated offset -- the (0, 0) of padding, whose values are zero -- counts once.
 template <int kN, int kM>
 __device__ __forceinline__ void fill_regroup_table(uint2* table) {
   using R = Regroup<kN, kM>;
@@ -418,12 +418,12 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
       metadata |= nibble << (4 * lb);
     }
     for (int lane = 0; lane < R::kLaneCopies; ++lane)
-      table[index * R::kLaneCopies + lane] = make_uint2(selectors[0] | selectors[1] << 16, metadata | metadata << 8);
+      table[index * R::kLaneCopies + lane] = make_uint2(selectors[0] | metadata << 16, selectors[1]);
   }
 }
 
-// Where a step's offset words lie: `rows` (row r's at rows + r * per_row), the step's first offset
-// bit at bit `first_bit` of each row's first word. Copied by the producer's lanes (cp.async), a
+// Where a step's offset words lie: `rows` (row r's kIndexWords or kWindowWords later, below), the
+// step's first offset bit at bit `first_bit` of each row's first word. Copied by the producer's lanes (cp.async), a
 // step's packed tile holds, after its values, the kIndexWords of each row from the word with the
 // step's first bit; by tensor copy, where rows of offset words may be tensor tiles
 // (offset_rows_aligned), the first stage of each group of kGroup steps holds the group's: one box
@@ -431,7 +431,7 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
 // must start there.
 struct OffsetWindow {
   const uint32_t* rows;
-  int first_bit, per_row;
+  int first_bit;
   // 48-byte rows: a word of 8 consecutive rows falls in 8 different banks (in 8-word rows, in 4:
   // A9 in BENCHMARKS.md, session 49)
   static constexpr int kWindowWords = 12;
@@ -447,12 +447,12 @@ struct OffsetWindow {
   __device__ static OffsetWindow of(int64_t t, int s, bool tensor, Tile&& tile) {
     const int64_t bit = t * F::kEntries * F::kBits;
     return {reinterpret_cast<const uint32_t*>(tile(tensor ? s & ~(kGroup - 1) : s) + F::kValues),
-            static_cast<int>(bit - first_word<F, kGroup>(t, tensor) * 32), tensor ? kWindowWords : F::kIndexWords};
+            static_cast<int>(bit - first_word<F, kGroup>(t, tensor) * 32)};
   }
 };
 
-// Regroups regrouping thread i's share of a step (`words`: where its offset words lie, OffsetWindow):
-// the chunks that consumer threads
+// Regroups regrouping thread i's share of a step (`words`: where its offset words lie, OffsetWindow,
+// kPerRow a row: kIndexWords or kWindowWords): the chunks that consumer threads
 // v = i + j * kRegroupThreads of the 256 would own -- K positions 16q..16q+15 (q = v % 4) of the
 // block-tile rows `row` and row + 8 of v's place in the MMA layout -- from the packed tile into
 // the 2:4 tile (64-byte swizzle) and v's metadata word (row in bits 0-15, row + 8 in 16-31) at
@@ -465,49 +465,49 @@ struct OffsetWindow {
 // on the 160-row tile (cuobjdump -sass) -- selectors as PRMT takes them (no 0x7777 mask, no shift
 // for block 0), the table in static shared memory (addressed from a uniform register), codes whose
 // table offset is one LOP3, each row's offset-word addresses one add from row 0's, a group's first
-// step by mask.
-template <int kN, int kM, int kRegroupThreads>
+// step by mask. Session 55 cut it to 173-178 for 2:8, 101-108 for 1:4, 109-113 for 1:8: every
+// address of a share as share 0's plus a constant (with the offset words' row length a constant,
+// one loop for each of their two places), so the reads and writes take immediate offsets instead
+// of an add or two each; block 1's selector in y, where PRMT reads it unshifted.
+template <int kN, int kM, int kRegroupThreads, int kPerRow>
 __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindow words, int i, uint8_t* a_tile,
                                               uint32_t* meta, const uint2* table) {
   using R = Regroup<kN, kM>;
   using F = typename R::F;
   constexpr int kPer = (kThreads + kRegroupThreads - 1) / kRegroupThreads;
+  static_assert(kRegroupThreads % 32 == 0, "whole warps: a share's lane, and so its K quarter, is share 0's");
   const uint32_t lane_copy = (threadIdx.x & (R::kLaneCopies - 1)) * R::kEntryBytes;  // this lane's copy, in bytes
   // Whether share j is a consumer thread's (the last may run past the 256 when kRegroupThreads
   // does not divide them: it then reads share 0 again and writes nothing).
   auto live = [&](int j) { return kThreads % kRegroupThreads == 0 || i + j * kRegroupThreads < kThreads; };
-  int rows[kPer], qs[kPer];
+  // Consumer thread v's chunk rows are 16 (v / 32) + (v % 32) / 4 and 8 below it, its K quarter
+  // v % 4: share j's rows lie j kRegroupThreads / 2 below share 0's (a multiple of 8), in the same
+  // quarter and under the same swizzle, so each of its addresses is share 0's plus a constant.
+  const int row0 = 16 * (i >> 5) + ((i & 31) >> 2), q = i & 3;
+  auto below = [&](int j, int h) { return (live(j) ? j * kRegroupThreads / 2 : 0) + 8 * h; };
+  // The chunk's offset bits land at bit R::kCodeShift of codes[j][h] (3; 7 for 2:8's lane copies),
+  // so that its first table entry's byte offset is one AND away. Taking them that many bits early
+  // may start a word before the row's (bit < 0: the previous row's last word, or the packed
+  // values' at row 0), whose bits fall below the code; they never reach past the step's copied
+  // words, so min keeps the second read in them.
+  const int bit = words.first_bit + q * R::kChunkBits - R::kCodeShift, word = bit >> 5, shift = bit & 31;
+  const uint32_t* low = words.rows + row0 * kPerRow + word;
+  const uint32_t* high = words.rows + row0 * kPerRow + min(word + 1, kPerRow - 1);
+  const uint8_t* stored = packed + row0 * F::kValueBytes + q * R::kChunkEntries * 2;
   uint32_t codes[kPer][2], values[kPer][2][2];
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int v = live(j) ? i + j * kRegroupThreads : i, w = v >> 5, l = v & 31;
-    rows[j] = (w >> 2) * 64 + (w & 3) * 16 + (l >> 2);
-    qs[j] = l & 3;
-    // The chunk's offset bits land at bit R::kCodeShift of codes[j][h] (3; 7 for 2:8's lane copies),
-    // so that its first table entry's byte offset is one AND away. Taking them that many bits early
-    // may start a word before the row's (bit < 0: the previous row's last word, or the packed
-    // values' at row 0), whose bits fall below the code; they never reach past the step's copied
-    // words, so min keeps the second read in them. The two words' addresses are row 0's, as bytes,
-    // so that each row adds its own offset (kept from step to step) and no more.
-    const int bit = words.first_bit + qs[j] * R::kChunkBits - R::kCodeShift, word = bit >> 5, shift = bit & 31;
-    const uint8_t* low = reinterpret_cast<const uint8_t*>(words.rows + word);
-    const uint8_t* high = reinterpret_cast<const uint8_t*>(words.rows + min(word + 1, words.per_row - 1));
+  for (int j = 0; j < kPer; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = rows[j] + 8 * h;
-      int row_bytes;  // opaque to the compiler, which would else fold the word into each row's index
-      asm("mov.b32 %0, %1;" : "=r"(row_bytes) : "r"(r * words.per_row * 4));
-      codes[j][h] = __funnelshift_r(*reinterpret_cast<const uint32_t*>(low + row_bytes),
-                                    *reinterpret_cast<const uint32_t*>(high + row_bytes), shift);
-      const uint8_t* stored = packed + r * F::kValueBytes + qs[j] * R::kChunkEntries * 2;
+      const int r = below(j, h);
+      codes[j][h] = __funnelshift_r(low[r * kPerRow], high[r * kPerRow], shift);
       if constexpr (R::kChunkEntries * 2 == 8) {
-        const uint2 u = *reinterpret_cast<const uint2*>(stored);
+        const uint2 u = *reinterpret_cast<const uint2*>(stored + r * F::kValueBytes);
         values[j][h][0] = u.x, values[j][h][1] = u.y;
       } else {
-        values[j][h][0] = *reinterpret_cast<const uint32_t*>(stored), values[j][h][1] = 0;
+        values[j][h][0] = *reinterpret_cast<const uint32_t*>(stored + r * F::kValueBytes), values[j][h][1] = 0;
       }
     }
-  }
   uint2 entries[kPer][2][R::kLookups];
 #pragma unroll
   for (int j = 0; j < kPer; ++j)
@@ -520,27 +520,26 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
         entries[j][h][g] = *reinterpret_cast<const uint2*>(
             reinterpret_cast<const uint8_t*>(table + g % R::kVariants * R::kEntryCodes * R::kLaneCopies) + at);
       }
+  uint8_t* chunk = a_tile + row0 * kStored * 2 + ((q ^ ((row0 >> 1) & 3)) << 4);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     if (!live(j)) continue;
     const uint2(&e)[2][R::kLookups] = entries[j];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = rows[j] + 8 * h;
       uint32_t out[4];
 #pragma unroll
       for (int g = 0; g < R::kLookups; ++g) {
         const uint32_t stored = values[j][h][g * R::kEntryValues / 2];
-        out[2 * g] = prmt(stored, 0u, e[h][g].x), out[2 * g + 1] = prmt(stored, 0u, e[h][g].x >> 16);
+        out[2 * g] = prmt(stored, 0u, e[h][g].x), out[2 * g + 1] = prmt(stored, 0u, e[h][g].y);
       }
-      *reinterpret_cast<uint4*>(a_tile + r * kStored * 2 + ((qs[j] ^ ((r >> 1) & 3)) << 4)) =
-          make_uint4(out[0], out[1], out[2], out[3]);
+      *reinterpret_cast<uint4*>(chunk + below(j, h) * kStored * 2) = make_uint4(out[0], out[1], out[2], out[3]);
     }
-    // Row r's nibbles in bits 0-15 (byte 0 of its first entry's y, byte 1 of its second's: one
-    // LOP3), row r + 8's in bits 16-31.
+    // Row r's nibbles in bits 0-15 (byte 2 of its first entry's x, then of its second's: one PRMT),
+    // row r + 8's in bits 16-31.
     uint32_t rows_meta[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) rows_meta[h] = (e[h][0].y & 0xffu) | (e[h][1].y & ~0xffu);
+    for (int h = 0; h < 2; ++h) rows_meta[h] = prmt(e[h][0].x, e[h][1].x, 0x62u);
     meta[i + j * kRegroupThreads] = prmt(rows_meta[0], rows_meta[1], 0x5410u);
   }
 }
@@ -674,17 +673,23 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   // i + kRegroupThreads, ... (regroup_share), where those threads read them.
   auto regroup_steps = [&](int begin, int end, sm90::RingSlot<S> stage) {
     const int i = threadIdx.x - kThreads;
-    for (int t = begin; t < end; ++t) {
-      const int s = stage.slot;
-      sm90::mbarrier_wait(full(s), stage.phase);
-      uint8_t* a_tile = smem + s * L::kStage + L::kX;
-      regroup_share<kN, kM, kRegroupThreads<kN, kRows>>(packed(s), OffsetWindow::of<F, G>(t, s, tensor_offsets, packed),
-                                                        i, a_tile, meta(s), table);
-      sm90::fence_async_proxy();  // the MMAs read the 2:4 tile through the async proxy
-      sm90::mbarrier_arrive(ready(s));
-      stage.advance();
-    }
-    return stage;
+    // A loop for each place of the offset words (their rows' length a constant in each).
+    auto walk = [&](auto per_row) {
+      for (int t = begin; t < end; ++t) {
+        const int s = stage.slot;
+        sm90::mbarrier_wait(full(s), stage.phase);
+        uint8_t* a_tile = smem + s * L::kStage + L::kX;
+        regroup_share<kN, kM, kRegroupThreads<kN, kRows>, decltype(per_row)::value>(
+            packed(s), OffsetWindow::of<F, G>(t, s, tensor_offsets, packed), i, a_tile, meta(s), table);
+        sm90::fence_async_proxy();  // the MMAs read the 2:4 tile through the async proxy
+        sm90::mbarrier_arrive(ready(s));
+        stage.advance();
+      }
+      return stage;
+    };
+    if constexpr (L::kTensorOffsets)
+      if (tensor_offsets) return walk(std::integral_constant<int, OffsetWindow::kWindowWords>{});
+    return walk(std::integral_constant<int, F::kIndexWords>{});
   };
   // The consumers' MMAs of steps [begin, end) into acc (from zero), step begin in stage `from`.
   auto consume_steps = [&](int begin, int end, sm90::RingSlot<S> from) {
