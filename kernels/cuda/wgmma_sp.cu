@@ -468,7 +468,9 @@ struct OffsetWindow {
 // step by mask. Session 55 cut it to 173-178 for 2:8, 101-108 for 1:4, 109-113 for 1:8: every
 // address of a share as share 0's plus a constant (with the offset words' row length a constant,
 // one loop for each of their two places), so the reads and writes take immediate offsets instead
-// of an add or two each; block 1's selector in y, where PRMT reads it unshifted.
+// of an add or two each; block 1's selector in y, where PRMT reads it unshifted. Against session 54's
+// loop (H100, ab_kernels --path auto on four LLaMA projections): 2:8 1.02-1.06x at 150-640 rows,
+// 1:4 and 1:8 1.01-1.04x, 0.99-1.02x at 32 rows.
 template <int kN, int kM, int kRegroupThreads, int kPerRow>
 __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindow words, int i, uint8_t* a_tile,
                                               uint32_t* meta, const uint2* table) {
