@@ -156,7 +156,7 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
         return -(-shape.nout * shape.row_len * 2 // 256) * 256 + shape.nout * shape.index_words * 4
 
     rows = _kernels.STAGED_COPY_FROM_ROWS
-    assert rows == 1024
+    assert rows == 2048
     space = functools.partial(_kernels.cuda_workspace_bytes, path="wgmma_sp")
     stream_k = space(640, 2, 8, 11008, 4096, "float16")  # 96 tiles of 256 rows
     sms = stream_k // (256 * 128 * 4)  # the device's, or the 132 assumed without one
@@ -175,15 +175,15 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     assert space(9, 1, 3, 100, 33, "float16") == copy_bytes(100, 33)
     # ... and only from STAGED_COPY_MIN_OUTPUTS outputs (rows x Nout): not on narrow outputs.
     assert _kernels.STAGED_COPY_MIN_OUTPUTS == 3 << 20
-    assert space(rows, 2, 8, 4096, 2048, "float16") == 0
+    assert space(rows, 2, 8, 4096, 1024, "float16") == 0  # 2M outputs
     assert space(2048, 2, 8, 4096, 2048, "float16") == copy_bytes(4096, 2048)
     assert space(3072, 1, 8, 4096, 1024, "bfloat16") == copy_bytes(4096, 1024)
     assert space(3071, 1, 8, 4096, 1024, "bfloat16") == stream_k  # 96 tiles, unstaged
     assert space(1000, 1, 8, 4096, 6144, "bfloat16") == 0  # 192 tiles, unstaged
-    gated = 2000 * 100 * 2  # the activation A, then the copy from the next 256-byte boundary
-    assert space(2000, 2, 8, 100, 1600, "float16", "silu") == -(-gated // 256) * 256 + copy_bytes(100, 1600)
-    assert space(2000, 2, 8, 100, 1600, "float16", norm=True) == -(-gated // 256) * 256 + copy_bytes(100, 1600)
-    assert _kernels.cuda_workspace_bytes(2000, 2, 8, 100, 1600, "float16", "silu", "mma") == gated
+    gated = 2100 * 100 * 2  # the activation A, then the copy from the next 256-byte boundary
+    assert space(2100, 2, 8, 100, 1600, "float16", "silu") == -(-gated // 256) * 256 + copy_bytes(100, 1600)
+    assert space(2100, 2, 8, 100, 1600, "float16", norm=True) == -(-gated // 256) * 256 + copy_bytes(100, 1600)
+    assert _kernels.cuda_workspace_bytes(2100, 2, 8, 100, 1600, "float16", "silu", "mma") == gated
     gated_640 = 640 * 11008 * 2  # ... or the stream-K room
     assert space(640, 2, 8, 11008, 4096, "float16", "silu") == -(-gated_640 // 256) * 256 + stream_k
 
