@@ -423,9 +423,9 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
 }
 
 // Where a step's offset words lie: `rows` (row r's kIndexWords or kWindowWords later, below), the
-// step's first offset bit at bit `first_bit` of each row's first word. Copied by the producer's lanes (cp.async), a
-// step's packed tile holds, after its values, the kIndexWords of each row from the word with the
-// step's first bit; by tensor copy, where rows of offset words may be tensor tiles
+// step's first offset bit at bit `first_bit` of each row's first word. Copied by the producer's
+// lanes (cp.async), a step's packed tile holds, after its values, the kIndexWords of each row from
+// the word with the step's first bit; by tensor copy, where rows of offset words may be tensor tiles
 // (offset_rows_aligned), the first stage of each group of kGroup steps holds the group's: one box
 // of kWindowWords a row from the 16-byte boundary at or before the group's first bit, as a box
 // must start there.
