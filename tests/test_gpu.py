@@ -197,11 +197,13 @@ def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_n
     assert packed.indices.shape[1] % 4 == 0  # the rows the tensor copies take
 
 
-# Run in a fresh process: NMCLI_TILE_PLAN is read once per process.
+# Run in a fresh process: NMCLI_TILE_PLAN is read once per process. argv: the tests' folder, then
+# the folder of the nmcli this process imported (the child's working directory may hold another,
+# the source tree without the built kernels).
 STREAM_K_SCRIPT = """
 import sys
 import numpy as np
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[2], sys.argv[1]]
 from test_gpu import assert_forced_path_matches_reference, kernels
 rng = np.random.default_rng(53)
 for rows, k, nout in [(640, 11000, 4000), (640, 11264, 4000)]:
@@ -223,7 +225,8 @@ def test_regrouping_kernel_stream_k_when_forced():
         pytest.skip("no sm_90a device")
     if torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("the stream-K grid is sized for 132 SMs")
-    result = subprocess.run([sys.executable, "-c", STREAM_K_SCRIPT, str(Path(__file__).parent)],
+    nmcli_root = str(Path(kernels.__file__).resolve().parents[1])
+    result = subprocess.run([sys.executable, "-c", STREAM_K_SCRIPT, str(Path(__file__).parent), nmcli_root],
                             env=dict(os.environ, NMCLI_TILE_PLAN="256,sk"), capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
