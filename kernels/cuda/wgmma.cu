@@ -31,6 +31,8 @@
 // shared memory is the likely limit now: before the tensor-copied offset words, ncu counted the
 // LSU's shared wavefronts 66% busy at 8:16 4096^3 (zeros, scatter, its loads, copies) on top of
 // the MMAs' operand reads, with the tensor pipe active 46%.
+// 4:16 (and 1:4, 2:8 where this path is asked for) on 192- and 256-row tiles take
+// wgmma_gather_kernel instead: the consumers build A in registers (Gather, below).
 // Used for N in {1, 2, 4, 8}, M in {4, 8, 16}, M <= 8N (a step holds whole 16-byte runs of
 // values), K % 8 == 0 (16-byte activation rows for the tensor copies). Other calls take the mma
 // path.
@@ -195,6 +197,93 @@ __device__ __forceinline__ void issue_step(float (&acc)[kRows / 2], uint32_t den
   sm90::fence_operands(acc);
 }
 
+// The weight from registers instead (wgmma_gather_kernel, 4:16 and other families with 4 stored
+// entries of a row per k16 MMA, on 192- and 256-row activation tiles): each consumer thread builds
+// its own A fragments of a step, rows g and g + 8 of its warp's 16, columns 2q, 2q + 1, 2q + 8
+// and 2q + 9 of each k16 MMA (q = lane % 4), from the step's packed tile, while the tensor cores
+// work on the step before. No dense tile is zeroed, scattered into or read by the MMAs: at 4096 x
+// 4096 x 4096 4:16, ncu counted those 128 + 195 + 128 of the expanding kernel's 1091 shared-memory
+// wavefronts a step, where cuBLAS's tensor pipe ran 90% busy and this kernel's 64% (BENCHMARKS.md,
+// session 56). The positions a row's 4 entries fill of an MMA's 16 make a 16-bit mask; entries come
+// in order, so those at positions 2q and 2q + 1 are the (n - 1)-th and n-th, n = popc(mask &
+// ((2 << 2q) - 1)) (padding groups put all their entries, zeros, at position 0, which changes no
+// value taken). Session 56 (H100, against the expanding kernel): 1.02-1.05x at 1024 rows and
+// 1.06-1.10x at 4096 on the LLaMA shapes; on the H200 1.04-1.12x on 192-row tiles at 330-700
+// rows. Not taken: 160-row tiles (0.97-1.01x), 2:16 (2 entries an MMA, where the scatter is
+// half the work: 0.83-0.89x at 512 rows).
+template <int kN, int kM>
+struct Gather {
+  using F = sm90::Family<kN, kM>;
+  static constexpr int kBoxWords = box_words<F>();
+  static constexpr int kE = 16 * kN / kM;  // stored entries of a row per k16 MMA
+  static_assert(kE == 4, "a k16 MMA's entries of a row are two value words");
+
+  // A quad's word of masks holds row g's in bits 0-15 and row g + 8's in 16-31. Per row h:
+  uint32_t upto[2][2];                // [h][half]: its positions 0 .. 2q + 8 * half
+  uint32_t to_bit7[2], to_bit15[2];  // shifts (row g left, g + 8 right) putting 2q, 2q + 1 on bits 7, 15
+
+  __device__ __forceinline__ explicit Gather(int lane) {
+    const int q = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      upto[h][0] = ((2u << (2 * q)) - 1) << (16 * h);
+      upto[h][1] = (((2u << (2 * q)) << 8) - 1) << (16 * h);
+      to_bit7[h] = h ? 9 + 2 * q : 7 - 2 * q;
+      to_bit15[h] = h ? 2 + 2 * q : 14 - 2 * q;
+    }
+  }
+
+  // The A registers of row h for positions 2q, 2q + 1 (a[0]) and 2q + 8, 2q + 9 (a[1]) of an
+  // MMA's 16, from the quad's word of masks and the row's entries there (v01, v23: 0-3 in order).
+  __device__ __forceinline__ void pairs(uint32_t masks, int h, uint32_t v01, uint32_t v23, uint32_t& lo,
+                                        uint32_t& hi) const {
+    // Each half kept where its position holds an entry: the mask's bits on byte sign bits, replicated.
+    const uint32_t at7 = h ? masks >> to_bit7[1] : masks << to_bit7[0];
+    const uint32_t at15 = h ? masks >> to_bit15[1] : masks << to_bit15[0];
+    uint32_t regs[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t n = __popc(masks & upto[h][half]);
+      // Halves: entries n - 1 and n (mod 4; byte selectors 2n - 2, 2n - 1, 2n, 2n + 1 mod 8).
+      const uint32_t picked = prmt(v01, v23, (n * 0x2222u + 0x1076u) & 0x7777u);
+      regs[half] = picked & prmt(at7, at15, half ? 0xEE99u : 0xDD88u);
+    }
+    lo = regs[0], hi = regs[1];
+  }
+
+  // This thread's A fragments of step t, whose packed tile is at `packed`, for rows r0, r0 + 8.
+  // The four lanes of a quad share their rows: lane q marks the positions of MMA q for both, and
+  // the quad passes the masks round.
+  __device__ __forceinline__ void build(const uint8_t* packed, int64_t t, int r0, uint32_t (&a)[kBK / 16][4]) const {
+    const int q = threadIdx.x & 3;
+    const int bit = static_cast<int>(F::first_word(t) & 3) * 32 + F::first_bit(t) + q * kE * F::kBits;
+    const int word = bit >> 5, shift = bit & 31;
+    uint32_t both = 0;  // MMA q's masks: row r0 in bits 0-15, r0 + 8 in 16-31
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t* box = reinterpret_cast<const uint32_t*>(packed + F::kValues) + (r0 + 8 * h) * kBoxWords + word;
+      const uint32_t fields = __funnelshift_r(box[0], box[1], shift);  // MMA q's kE * kBits <= 16 offset bits
+      uint32_t occupied = 0;
+#pragma unroll
+      for (int e = 0; e < kE; ++e) occupied |= 1u << ((e / kN) * kM + ((fields >> (e * F::kBits)) & (kM - 1)));
+      both |= occupied << (16 * h);
+    }
+#pragma unroll
+    for (int k = 0; k < kBK / 16; ++k) {
+      const uint32_t masks = __shfl_sync(0xFFFFFFFFu, both, (threadIdx.x & 28) | k);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint2 v = *reinterpret_cast<const uint2*>(packed + (r0 + 8 * h) * F::kValueBytes + k * 8);
+        pairs(masks, h, v.x, v.y, a[k][h], a[k][2 + h]);
+      }
+    }
+  }
+};
+
+template <int kN, int kM>
+constexpr bool kGathers = 16 * kN / kM == 4;
+constexpr int kGatherFromRows = 192;  // activation-tile rows from which the consumers gather
+
 // kEarly: launched as a programmatic dependent (grids of one wave, sm90::launch_early_or_not), as
 // the sparse kernels are: the producer copies its first weight tiles before it waits for the
 // previous kernel.
@@ -328,12 +417,157 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
 #endif
 }
 
+// The gathering kernel's block: the two consumer warpgroups and a producer warpgroup, of whose
+// warps the first copies and the others wait; the producers hand registers to the consumers,
+// whose accumulators and two steps' fragments (32 registers) did not fit the 168 a thread of
+// 288 gets (ptxas serialized the MMAs; session 56).
+constexpr int kGatherThreads = kThreads + 128;
+constexpr int kProducerRegisters = 40, kConsumerRegisters = 232, kLaunchRegisters = 168;
+static_assert(128 * kProducerRegisters + kThreads * kConsumerRegisters <= kGatherThreads * kLaunchRegisters,
+              "the consumers take what the producers hand back");
+
+// Shared memory of the gathering kernel: the expanding kernel's ring of stages, no dense tiles.
+template <int kN, int kM, int kRows>
+struct GatherLayout {
+  using Ring = Layout<kN, kM, kRows>;
+  static constexpr size_t kStage = Ring::kStage;
+  static constexpr int kStages = std::min<int>(8, static_cast<int>((220 * 1024) / kStage));
+  static constexpr size_t kBarriers = kStages * kStage;
+  static constexpr size_t kBytes = kBarriers + 2 * kStages * 8 + 1024;
+  static_assert(kStages >= 3, "the copies run at least one step ahead of the two steps in the MMAs");
+  static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits before the barriers");
+  static_assert(kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
+};
+
+// The expanding kernel's producer, tiles and epilogue, with the consumers building A in registers.
+template <typename T, int kN, int kM, int kRows, bool kEarly>
+__global__ void __launch_bounds__(kGatherThreads, 1)
+    wgmma_gather_kernel(PathParams<T> p, const __grid_constant__ sm90::TileMaps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = GatherLayout<kN, kM, kRows>;
+  using Ring = typename L::Ring;
+  using F = typename Ring::F;
+  constexpr int S = L::kStages;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
+  const uint32_t ring = sm90::smem_addr(smem);
+  auto stage_at = [&](int s) { return ring + static_cast<uint32_t>(s * L::kStage); };
+  auto full = [&](int s) { return ring + static_cast<uint32_t>(L::kBarriers) + s * 8; };  // copies landed
+  auto empty = [&](int s) { return full(S) + s * 8; };                                     // multiplied
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const bool consumer = warp < kThreads / 32;
+  const sm90::BlockTile tile = sm90::block_tile<kRows>(p);
+  const int64_t w0 = tile.w0;
+  const sm90::RowTile rows = tile.rows;
+  int begin, end;  // this block's steps
+  sm90::split_steps<1>(p.groups * kM, begin, end);
+  const bool tensor_offsets = sm90::offset_rows_aligned(p);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      sm90::mbarrier_init(full(s), 1 + (tensor_offsets ? 0 : kProducerThreads));
+      sm90::mbarrier_init(empty(s), kThreads / 32);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  if constexpr (kEarly) allow_next_kernel();
+
+  float acc[kRows / 2];
+  // Each warpgroup's warps meet before it moves its register limit again (named barriers 2-4).
+  auto warpgroup_barrier = [&] { asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory"); };
+
+  if (!consumer) {
+    sm90::setmaxnreg_dec<kProducerRegisters>();
+    if (warp == kThreads / 32) {
+      if (lane == 0) maps.prefetch(tensor_offsets);
+      auto activations = [&](int s, int t) {
+        sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(rows.from), full(s));
+      };
+      auto box_start = [](int t) { return F::first_word(t) & ~int64_t{3}; };
+      auto values = [&](int s, int t) {
+        sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(Ring::kX), &maps.values, t * F::kEntries,
+                          static_cast<int>(w0), full(s));
+        if (tensor_offsets)
+          sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(Ring::kWords), &maps.offsets,
+                            static_cast<int>(box_start(t)) * 2, static_cast<int>(w0), full(s));
+      };
+      auto offsets = [&](int s, int t) {
+        if (tensor_offsets) return;
+        sm90::copy_offset_words<Ring::kBoxWords>(p, stage_at(s) + static_cast<uint32_t>(Ring::kWords),
+                                                 box_start(t), w0, lane, full(s));
+      };
+      const uint32_t tensor_bytes = Ring::kTensorBytes - sm90::activation_shortfall<kRows>(p);
+      auto bytes = [&](int) { return tensor_bytes + (tensor_offsets ? Ring::kWordBytes : 0u); };
+      sm90::produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
+    }
+    warpgroup_barrier();
+    sm90::setmaxnreg_inc<kLaunchRegisters>();
+  } else {
+    sm90::setmaxnreg_inc<kConsumerRegisters>();
+#pragma unroll
+    for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
+    sm90::fence_operands(acc);
+    const Gather<kN, kM> gather(lane);
+    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+    uint32_t a0[kBK / 16][4], a1[kBK / 16][4];  // two steps' fragments: the MMAs read one while the next is built
+    sm90::RingSlot<S> stage;
+    int last = 0;
+    auto build = [&](uint32_t(&a)[kBK / 16][4], int t) {
+      sm90::mbarrier_wait(full(stage.slot), stage.phase);
+      gather.build(smem + stage.slot * L::kStage + Ring::kX, t, r0, a);
+      sm90::fence_operands(a);
+    };
+    // Step t's MMAs (fragments a), one commit group; then, the step before retired, its stage goes
+    // back and step t + 1's fragments are built into the other set.
+    auto step = [&](int t, uint32_t(&a)[kBK / 16][4], uint32_t(&next)[kBK / 16][4]) {
+      const uint32_t x = stage_at(stage.slot);
+      sm90::fence_operands(acc);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBK / 16; ++k) sm90::wgmma_rs<kRows, kBf16>(acc, a[k], sm90::sw128_desc(x + k * 32));
+      sm90::wgmma_commit();
+      sm90::fence_operands(acc);
+      sm90::wgmma_wait<1>();
+      if (t > begin) {
+        __syncwarp();
+        if (lane == 0) sm90::mbarrier_arrive(empty(last));
+      }
+      last = stage.slot;
+      stage.advance();
+      if (t + 1 < end) build(next, t + 1);
+    };
+    if (begin < end) build(a0, begin);
+    for (int t = begin; t < end; t += 2) {  // two at a time, so that each set stays in fixed registers
+      step(t, a0, a1);
+      if (t + 1 < end) step(t + 1, a1, a0);
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(acc);
+    warpgroup_barrier();
+    sm90::setmaxnreg_dec<kLaunchRegisters>();
+  }
+  if constexpr (kEarly) wait_for_previous_kernel();
+  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
+#else
+  __trap();
+#endif
+}
+
 template <typename T, int kN, int kM, int kRows>
 cudaError_t launch_expanded(const PathParams<T>& p, cudaStream_t stream, int splits) {
   using L = Layout<kN, kM, kRows>;
   sm90::TileMaps maps{};
   if (!sm90::packed_maps<typename L::F, kRows>(&maps, p) || !sm90::offsets_map(&maps.offsets, p, L::kBoxWords))
     return cudaErrorInvalidValue;
+  if constexpr (kGathers<kN, kM> && kRows >= kGatherFromRows) {
+    using G = GatherLayout<kN, kM, kRows>;
+    return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
+      return sm90::launch_tiles<wgmma_gather_kernel<T, kN, kM, kRows, early()>, kRows, G::kBytes, kGatherThreads>(
+          p, stream, splits, early(), maps);
+    });
+  }
   constexpr unsigned kBlock = kThreads + kExpandThreads<kRows> + kProducerThreads;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
     return sm90::launch_tiles<wgmma_kernel<T, kN, kM, kRows, early()>, kRows, L::kBytes, kBlock>(p, stream, splits,

@@ -218,6 +218,38 @@ __device__ __forceinline__ void wgmma_tf32_rs(float (&d)[kWidth / 2], const uint
   }
 }
 
+// D[64 x N] += A[64 x 16] * B[16 x N] on fp16/bf16 with A from registers (NMCLI_WGMMA_RS: the
+// mma.m16n8k16 A fragment, a[0] row g columns 2q, 2q + 1, a[1] row g + 8, a[2] and a[3] the same
+// rows 8 columns on; q = lane % 4), B the activations as for wgmma_ss.
+#define NMCLI_WGMMA_HALF_RS(SHAPE, TYPE, ...) NMCLI_WGMMA_RS(SHAPE, TYPE "." TYPE, "1, 1, 1, 0", __VA_ARGS__)
+#define NMCLI_WGMMA_RS_M64N64K16(TYPE) \
+  NMCLI_WGMMA_HALF_RS("m64n64k16", TYPE, NMCLI_WGMMA_D64_REGS, "{%32, %33, %34, %35}, %36", NMCLI_WGMMA_D64)
+#define NMCLI_WGMMA_RS_M64N128K16(TYPE) \
+  NMCLI_WGMMA_HALF_RS("m64n128k16", TYPE, NMCLI_WGMMA_D128_REGS, "{%64, %65, %66, %67}, %68", NMCLI_WGMMA_D128)
+#define NMCLI_WGMMA_RS_M64N160K16(TYPE) \
+  NMCLI_WGMMA_HALF_RS("m64n160k16", TYPE, NMCLI_WGMMA_D160_REGS, "{%80, %81, %82, %83}, %84", NMCLI_WGMMA_D160)
+#define NMCLI_WGMMA_RS_M64N192K16(TYPE) \
+  NMCLI_WGMMA_HALF_RS("m64n192k16", TYPE, NMCLI_WGMMA_D192_REGS, "{%96, %97, %98, %99}, %100", NMCLI_WGMMA_D192)
+#define NMCLI_WGMMA_RS_M64N256K16(TYPE) \
+  NMCLI_WGMMA_HALF_RS("m64n256k16", TYPE, NMCLI_WGMMA_D256_REGS, "{%128, %129, %130, %131}, %132", NMCLI_WGMMA_D256)
+
+template <int kWidth, bool kBf16>
+__device__ __forceinline__ void wgmma_rs(float (&d)[kWidth / 2], const uint32_t (&a)[4], uint64_t b_desc) {
+  NMCLI_WGMMA_FOR_WIDTH(NMCLI_WGMMA_RS_M64N64K16, NMCLI_WGMMA_RS_M64N128K16, NMCLI_WGMMA_RS_M64N160K16,
+                        NMCLI_WGMMA_RS_M64N192K16, NMCLI_WGMMA_RS_M64N256K16)
+}
+
+// Moves a warpgroup's per-thread register limit (every warp of it executes this; sm_90a): `dec`
+// hands registers back to the block's pool, `inc` waits until the pool has them.
+template <int kCount>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kCount));
+}
+template <int kCount>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kCount));
+}
+
 // D[64 x N] += A[64 x 32] * B[32 x N] with A 2:4-sparse: the descriptor's tile holds A's 16 stored
 // values per row (K-major, like a dense 64 x 16 tile) and `meta` their offsets. Lanes 4g and
 // 4g + 1 of each warp supply the metadata (sparsity selector 0): bits [0, 16) for row g and
