@@ -184,6 +184,38 @@ struct Scatter {
   }
 };
 
+// The producer warp of both kernels below: each step's activation tile and packed weight tile
+// into stage s of a ring laid out as L (Layout) says. The offset words by tensor copy where
+// their rows allow it (sm90::offset_rows_aligned), else by the lanes with cp.async; either way
+// kBoxWords a row from the 16-byte boundary at or before the step's first word (box_start), zeros
+// past the row and past Nout.
+template <typename L, int kRows, int S, bool kEarly, typename T, typename StageAt, typename Full, typename Empty>
+__device__ __forceinline__ void produce_packed(const PathParams<T>& p, const sm90::TileMaps& maps, bool tensor_offsets,
+                                               int64_t w0, sm90::RowTile rows, int begin, int end, int lane,
+                                               StageAt&& stage_at, Full&& full, Empty&& empty) {
+  using F = typename L::F;
+  if (lane == 0) maps.prefetch(tensor_offsets);
+  auto activations = [&](int s, int t) {
+    sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(rows.from), full(s));
+  };
+  auto box_start = [](int t) { return F::first_word(t) & ~int64_t{3}; };
+  auto values = [&](int s, int t) {
+    sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * F::kEntries,
+                      static_cast<int>(w0), full(s));
+    if (tensor_offsets)
+      sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kWords), &maps.offsets,
+                        static_cast<int>(box_start(t)) * 2, static_cast<int>(w0), full(s));
+  };
+  auto offsets = [&](int s, int t) {
+    if (tensor_offsets) return;
+    sm90::copy_offset_words<L::kBoxWords>(p, stage_at(s) + static_cast<uint32_t>(L::kWords), box_start(t), w0, lane,
+                                          full(s));
+  };
+  const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
+  auto bytes = [&](int) { return tensor_bytes + (tensor_offsets ? L::kWordBytes : 0u); };
+  sm90::produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
+}
+
 // Issues a consumer warpgroup's MMAs of one step (its 64 rows of the dense tile at `dense`, the
 // activation tile at `x`) as one commit group.
 template <int kRows, bool kBf16>
@@ -332,29 +364,7 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
   float acc[kRows / 2];  // set and used by the consumers only: the other roles keep no registers for it
 
   if (producer) {
-    if (lane == 0) maps.prefetch(tensor_offsets);
-    auto activations = [&](int s, int t) {
-      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(rows.from), full(s));
-    };
-    // The offset words by tensor copy where their rows allow it (sm90::offset_rows_aligned), else
-    // by the lanes with cp.async; either way kBoxWords a row from the 16-byte boundary at or before
-    // the step's first word (box_start), zeros past the row and past Nout.
-    auto box_start = [](int t) { return F::first_word(t) & ~int64_t{3}; };
-    auto values = [&](int s, int t) {
-      sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * F::kEntries,
-                        static_cast<int>(w0), full(s));
-      if (tensor_offsets)
-        sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kWords), &maps.offsets,
-                          static_cast<int>(box_start(t)) * 2, static_cast<int>(w0), full(s));
-    };
-    auto offsets = [&](int s, int t) {
-      if (tensor_offsets) return;
-      sm90::copy_offset_words<L::kBoxWords>(p, stage_at(s) + static_cast<uint32_t>(L::kWords),
-                                            box_start(t), w0, lane, full(s));
-    };
-    const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
-    auto bytes = [&](int) { return tensor_bytes + (tensor_offsets ? L::kWordBytes : 0u); };
-    sm90::produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
+    produce_packed<L, kRows, S, kEarly>(p, maps, tensor_offsets, w0, rows, begin, end, lane, stage_at, full, empty);
   } else if (!consumer) {
     const Scatter<kN, kM, kExpanders> scatter(threadIdx.x - kThreads);
     sm90::RingSlot<S> stage;
@@ -480,28 +490,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
 
   if (!consumer) {
     sm90::setmaxnreg_dec<kProducerRegisters>();
-    if (warp == kThreads / 32) {
-      if (lane == 0) maps.prefetch(tensor_offsets);
-      auto activations = [&](int s, int t) {
-        sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(rows.from), full(s));
-      };
-      auto box_start = [](int t) { return F::first_word(t) & ~int64_t{3}; };
-      auto values = [&](int s, int t) {
-        sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(Ring::kX), &maps.values, t * F::kEntries,
-                          static_cast<int>(w0), full(s));
-        if (tensor_offsets)
-          sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(Ring::kWords), &maps.offsets,
-                            static_cast<int>(box_start(t)) * 2, static_cast<int>(w0), full(s));
-      };
-      auto offsets = [&](int s, int t) {
-        if (tensor_offsets) return;
-        sm90::copy_offset_words<Ring::kBoxWords>(p, stage_at(s) + static_cast<uint32_t>(Ring::kWords),
-                                                 box_start(t), w0, lane, full(s));
-      };
-      const uint32_t tensor_bytes = Ring::kTensorBytes - sm90::activation_shortfall<kRows>(p);
-      auto bytes = [&](int) { return tensor_bytes + (tensor_offsets ? Ring::kWordBytes : 0u); };
-      sm90::produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
-    }
+    if (warp == kThreads / 32)
+      produce_packed<Ring, kRows, S, kEarly>(p, maps, tensor_offsets, w0, rows, begin, end, lane, stage_at, full, empty);
     warpgroup_barrier();
     sm90::setmaxnreg_inc<kLaunchRegisters>();
   } else {
