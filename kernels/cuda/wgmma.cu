@@ -31,8 +31,8 @@
 // shared memory is the likely limit now: before the tensor-copied offset words, ncu counted the
 // LSU's shared wavefronts 66% busy at 8:16 4096^3 (zeros, scatter, its loads, copies) on top of
 // the MMAs' operand reads, with the tensor pipe active 46%.
-// 4:16 (and 1:4, 2:8 where this path is asked for) on 192- and 256-row tiles take
-// wgmma_gather_kernel instead: the consumers build A in registers (Gather, below).
+// 4:16 on 192- and 256-row tiles takes wgmma_gather_kernel instead: the consumers build A in
+// registers (Gather, below).
 // Used for N in {1, 2, 4, 8}, M in {4, 8, 16}, M <= 8N (a step holds whole 16-byte runs of
 // values), K % 8 == 0 (16-byte activation rows for the tensor copies). Other calls take the mma
 // path.
@@ -229,8 +229,8 @@ __device__ __forceinline__ void issue_step(float (&acc)[kRows / 2], uint32_t den
   sm90::fence_operands(acc);
 }
 
-// The weight from registers instead (wgmma_gather_kernel, 4:16 and other families with 4 stored
-// entries of a row per k16 MMA, on 192- and 256-row activation tiles): each consumer thread builds
+// The weight from registers instead (wgmma_gather_kernel, 4:16: 4 stored entries of a row per k16
+// MMA, on 192- and 256-row activation tiles): each consumer thread builds
 // its own A fragments of a step, rows g and g + 8 of its warp's 16, columns 2q, 2q + 1, 2q + 8
 // and 2q + 9 of each k16 MMA (q = lane % 4), from the step's packed tile, while the tensor cores
 // work on the step before. No dense tile is zeroed, scattered into or read by the MMAs: at 4096 x
@@ -313,7 +313,7 @@ struct Gather {
 };
 
 template <int kN, int kM>
-constexpr bool kGathers = 16 * kN / kM == 4;
+constexpr bool kGathers = kN == 4 && kM == 16;  // measured (1:4 and 2:8 fit Gather too but take wgmma_sp)
 constexpr int kGatherFromRows = 192;  // activation-tile rows from which the consumers gather
 
 // kEarly: launched as a programmatic dependent (grids of one wave, sm90::launch_early_or_not), as
@@ -545,6 +545,18 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
 #endif
 }
 
+// The consumers' setmaxnreg.inc waits for registers the producers hand back, out of what the
+// block was launched with: a build whose kernel starts with fewer than kLaunchRegisters a thread
+// would wait forever, so it takes the expanding kernel instead (ptxas gives 168 to every one).
+template <auto kKernel>
+bool gather_registers_fit() {
+  static const bool fit = [] {
+    cudaFuncAttributes a{};
+    return cudaFuncGetAttributes(&a, kKernel) == cudaSuccess && a.numRegs >= kLaunchRegisters;
+  }();
+  return fit;
+}
+
 template <typename T, int kN, int kM, int kRows>
 cudaError_t launch_expanded(const PathParams<T>& p, cudaStream_t stream, int splits) {
   using L = Layout<kN, kM, kRows>;
@@ -553,10 +565,12 @@ cudaError_t launch_expanded(const PathParams<T>& p, cudaStream_t stream, int spl
     return cudaErrorInvalidValue;
   if constexpr (kGathers<kN, kM> && kRows >= kGatherFromRows) {
     using G = GatherLayout<kN, kM, kRows>;
-    return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
-      return sm90::launch_tiles<wgmma_gather_kernel<T, kN, kM, kRows, early()>, kRows, G::kBytes, kGatherThreads>(
-          p, stream, splits, early(), maps);
-    });
+    if (gather_registers_fit<wgmma_gather_kernel<T, kN, kM, kRows, false>>() &&
+        gather_registers_fit<wgmma_gather_kernel<T, kN, kM, kRows, true>>())
+      return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
+        return sm90::launch_tiles<wgmma_gather_kernel<T, kN, kM, kRows, early()>, kRows, G::kBytes, kGatherThreads>(
+            p, stream, splits, early(), maps);
+      });
   }
   constexpr unsigned kBlock = kThreads + kExpandThreads<kRows> + kProducerThreads;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
