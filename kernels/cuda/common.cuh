@@ -35,8 +35,9 @@ __device__ __forceinline__ uint32_t load_stream4(const uint32_t* p) {
 
 // Bytes of {b, a} picked by the low 16 bits of `selector` (nibble n: result byte n, 0-3 from a,
 // 4-7 from b). Unlike __byte_perm, which ignores each nibble's top bit and so masks the selector
-// with 0x7777 first (one more instruction), the selector goes to PRMT as it is: selectors here
-// never set that bit (PTX's sign-replicating mode).
+// with 0x7777 first (one more instruction), the selector goes to PRMT as it is. A nibble with that
+// bit set replicates the sign bit of the byte it names (PTX's sign-replicating mode): wgmma.cu's
+// Gather turns mask bits into byte masks that way; the other callers never set it.
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));

@@ -242,7 +242,7 @@ __device__ __forceinline__ void issue_step(float (&acc)[kRows / 2], uint32_t den
 // value taken). Session 56 (H100, against the expanding kernel): 1.02-1.05x at 1024 rows and
 // 1.06-1.10x at 4096 on the LLaMA shapes; on the H200 1.04-1.12x on 192-row tiles at 330-700
 // rows. Not taken: 160-row tiles (0.97-1.01x), 2:16 (2 entries an MMA, where the scatter is
-// half the work: 0.83-0.89x at 512 rows).
+// half the work: 0.84-0.93x at 512 rows).
 template <int kN, int kM>
 struct Gather {
   using F = sm90::Family<kN, kM>;
