@@ -91,6 +91,11 @@ struct SpLayout {
     return static_cast<uint32_t>(kWords + t / kBox % kSlots * kBox * kMeta);
   }
   __host__ __device__ static constexpr int word_in_box(int r, int t) { return (r * kBox + t % kBox) * kMetaWords; }
+  // Where stage s's activation tile and 2:4 tile lie, in bytes from the ring's start, and how far
+  // apart those of consecutive stages of a group lie (consume, issue_steps).
+  __host__ __device__ static constexpr uint32_t x_at(int s) { return static_cast<uint32_t>(s * kStage); }
+  __host__ __device__ static constexpr uint32_t a_at(int s) { return x_at(s) + static_cast<uint32_t>(kX); }
+  static constexpr uint32_t kXStride = static_cast<uint32_t>(kStage), kAStride = kXStride;
   static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group's copies fly");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
   static_assert(kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
@@ -108,21 +113,22 @@ struct SpLayout {
 template <int kN, int kRows>
 constexpr int kRegroupThreads = kRows >= 192 ? (kN == 1 ? 96 : 64) : kN == 2 ? 64 : 128;
 
-// Issues a consumer warpgroup's MMAs for kSteps steps from `stage` on (ring layout L) with their
-// metadata, as one commit group; the caller waits for it (wgmma_wait) before it writes `meta` again.
+// Issues a consumer warpgroup's MMAs for kSteps steps from stage s on (of ring layout L at `ring`)
+// with their metadata, as one commit group; the caller waits for it (wgmma_wait) before it writes
+// `meta` again.
 template <typename L, int kSteps, int kRows, bool kBf16>
-__device__ __forceinline__ void issue_steps(float (&acc)[kRows / 2], uint32_t stage, int wg,
+__device__ __forceinline__ void issue_steps(float (&acc)[kRows / 2], uint32_t ring, int s, int wg,
                                             const uint32_t (&meta)[kSteps][kMetaWords]) {
-  const uint64_t x_desc = sm90::sw128_desc(stage);
-  const uint64_t a_desc = sm90::sw64_desc(stage + static_cast<uint32_t>(L::kX) + wg * 64 * kStored * 2);
+  const uint64_t x_desc = sm90::sw128_desc(ring + L::x_at(s));
+  const uint64_t a_desc = sm90::sw64_desc(ring + L::a_at(s) + wg * 64 * kStored * 2);
   sm90::fence_operands(acc);
   sm90::wgmma_fence();
 #pragma unroll
   for (int g = 0; g < kSteps; ++g) {
 #pragma unroll
     for (int k = 0; k < kMetaWords; ++k)
-      sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kStage + k * 32),
-                                   sm90::desc_plus(x_desc, g * L::kStage + k * 64), meta[g][k]);
+      sm90::wgmma_sp<kRows, kBf16>(acc, sm90::desc_plus(a_desc, g * L::kAStride + k * 32),
+                                   sm90::desc_plus(x_desc, g * L::kXStride + k * 64), meta[g][k]);
   }
   sm90::wgmma_commit();
   sm90::fence_operands(acc);
@@ -163,7 +169,7 @@ __device__ __forceinline__ sm90::RingSlot<L::kStages> consume(float (&acc)[kRows
   auto start = [&](uint32_t (&m)[H][kMetaWords], int half, int first) {
 #pragma unroll
     for (int i = 0; i < H; ++i) read_step(m[i], group.slot, half * H + i, group.phase, first + half * H + i);
-    issue_steps<L, H, kRows, kBf16>(acc, ring + static_cast<uint32_t>((group.slot + half * H) * L::kStage), wg, m);
+    issue_steps<L, H, kRows, kBf16>(acc, ring, group.slot + half * H, wg, m);
   };
   auto retire = [&](int stage, auto pending) {  // the half at `stage`, once `pending` halves are left in flight
     sm90::wgmma_wait<decltype(pending)::value>();
@@ -424,11 +430,10 @@ __device__ __forceinline__ void fill_regroup_table(uint2* table) {
 
 // Where a step's offset words lie: `rows` (row r's kIndexWords or kWindowWords later, below), the
 // step's first offset bit at bit `first_bit` of each row's first word. Copied by the producer's
-// lanes (cp.async), a step's packed tile holds, after its values, the kIndexWords of each row from
-// the word with the step's first bit; by tensor copy, where rows of offset words may be tensor tiles
-// (offset_rows_aligned), the first stage of each group of kGroup steps holds the group's: one box
-// of kWindowWords a row from the 16-byte boundary at or before the group's first bit, as a box
-// must start there.
+// lanes (cp.async), each step has the kIndexWords of each row from the word with the step's first
+// bit; by tensor copy, where rows of offset words may be tensor tiles (offset_rows_aligned), each
+// group of kGroup steps has the group's: one box of kWindowWords a row from the 16-byte boundary at
+// or before the group's first bit, as a box must start there (RegroupLayout::words_at).
 struct OffsetWindow {
   const uint32_t* rows;
   int first_bit;
@@ -442,12 +447,11 @@ struct OffsetWindow {
     static_assert((kGroup & (kGroup - 1)) == 0, "groups of a power of two steps");
     return tensor ? F::first_word(t & ~int64_t{kGroup - 1}) & ~int64_t{3} : F::first_word(t);
   }
-  // Step t in ring slot s; `tile(s)`: a stage's packed tile.
-  template <typename F, int kGroup, typename Tile>
-  __device__ static OffsetWindow of(int64_t t, int s, bool tensor, Tile&& tile) {
+  // Step t's, whose words (its group's window or its own) lie at `rows`.
+  template <typename F, int kGroup>
+  __device__ static OffsetWindow of(int64_t t, const uint8_t* rows, bool tensor) {
     const int64_t bit = t * F::kEntries * F::kBits;
-    return {reinterpret_cast<const uint32_t*>(tile(tensor ? s & ~(kGroup - 1) : s) + F::kValues),
-            static_cast<int>(bit - first_word<F, kGroup>(t, tensor) * 32)};
+    return {reinterpret_cast<const uint32_t*>(rows), static_cast<int>(bit - first_word<F, kGroup>(t, tensor) * 32)};
   }
 };
 
@@ -489,9 +493,9 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
   auto below = [&](int j, int h) { return (live(j) ? j * kRegroupThreads / 2 : 0) + 8 * h; };
   // The chunk's offset bits land at bit R::kCodeShift of codes[j][h] (3; 7 for 2:8's lane copies),
   // so that its first table entry's byte offset is one AND away. Taking them that many bits early
-  // may start a word before the row's (bit < 0: the previous row's last word, or the packed
-  // values' at row 0), whose bits fall below the code; they never reach past the step's copied
-  // words, so min keeps the second read in them.
+  // may start a word before the row's (bit < 0: the previous row's last word, or at row 0 the
+  // ring's word before the offset words), whose bits fall below the code; they never reach past
+  // the step's copied words, so min keeps the second read in them.
   const int bit = words.first_bit + q * R::kChunkBits - R::kCodeShift, word = bit >> 5, shift = bit & 31;
   const uint32_t* low = words.rows + row0 * kPerRow + word;
   const uint32_t* high = words.rows + row0 * kPerRow + min(word + 1, kPerRow - 1);
@@ -546,41 +550,85 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
   }
 }
 
-// A step of the regrouping kernel in shared memory: the activation tile (128-byte swizzle), the
-// regrouped 2:4 tile (64-byte swizzle), the packed tile as copied (values, then offset words) and
-// the regrouped tile's metadata words; a ring of kStages steps, then the stages' "full", "ready"
-// and "empty" barriers. (The regrouping table is static shared memory, whose address the lookups
-// take from a uniform register: one add fewer each.) kPerSm blocks share an SM: 1, or 2 with a ring
-// of at most 100 KB each (two_per_sm_split), whose offset words always go by cp.async (room for
-// the tensor copies' wider rows would leave it too few stages).
+// The regrouping kernel's ring in shared memory: kStages steps in slots of kPerSlot steps (1, or a
+// group of kGroup), a slot holding its steps' activation tiles (128-byte swizzle), their regrouped
+// 2:4 tiles (64-byte swizzle), their packed values as copied and their 2:4 tiles' metadata words,
+// then room for offset words (a group's window by tensor copy, OffsetWindow, or each step's by
+// cp.async); after the slots, the stages' "full", "ready" and "empty" barriers. (The regrouping
+// table is static shared memory, whose address the lookups take from a uniform register: one add
+// fewer each.) A slot of one step holds a whole window, which only a group's first step uses, and
+// is rounded up to 1 KB: the 160-row tile fits 4 such stages in 216 KB, and 6 in slots of a group
+// (the 2:4 kernel with 4 stages on that tile instead of 6 ran 0.89-0.99x, session 57). kPerSm
+// blocks share an SM: 1, or 2 with a ring of at most 100 KB each (two_per_sm_split), whose offset
+// words always go by cp.async (room for the tensor copies' wider rows would leave it too few stages).
 template <int kN, int kM, int kRows, int kPerSm = 1>
 struct RegroupLayout {
   using F = sm90::Family<kN, kM>;
   static constexpr bool kTensorOffsets = kPerSm == 1;  // where offset_rows_aligned (OffsetWindow)
-  static constexpr int kOffsetRowWords = kTensorOffsets ? OffsetWindow::kWindowWords : F::kIndexWords;  // a row's room
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
   static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
-  static constexpr size_t kPacked = (F::kValues + kTileW * kOffsetRowWords * 4 + 127) / 128 * 128;
   static constexpr size_t kMeta = kThreads * 4;
-  static constexpr size_t kStage = (kX + kA + kPacked + kMeta + 1023) / 1024 * 1024;  // swizzle atoms stay 1024-aligned
-  static constexpr int kFit = static_cast<int>((kPerSm == 1 ? 216 : 100) * 1024 / kStage);
-  static constexpr int kGroup = kFit >= 8 ? 4 : 2;  // steps per group, issued in halves (consume)
-  static constexpr int kStages = kFit / kGroup * kGroup;
-  static constexpr size_t kBarriers = kStages * kStage;
+  static constexpr size_t kStep = kX + kA + F::kValues + kMeta;  // a step's bytes but its offset words
+  static constexpr size_t kBudget = (kPerSm == 1 ? 216 : 100) * 1024;
+  static constexpr size_t kStepWords = static_cast<size_t>(kTileW) * F::kIndexWords * 4;  // by cp.async
+  static constexpr size_t kWindow = static_cast<size_t>(kTileW) * OffsetWindow::kWindowWords * 4;  // by tensor copy
+  // A slot of g steps, their offset words' room after them (swizzle atoms stay 1024-aligned).
+  static constexpr size_t slot_of(int g) {
+    return (g * kStep + std::max(kTensorOffsets ? kWindow : 0, g * kStepWords) + 1023) / 1024 * 1024;
+  }
+  // Steps per group, issued in halves (consume): 4 where 8 stages fit, else 2. A slot holds one
+  // step, or for 1:4 and 1:8 a group where that fits more stages (the 160-row tile: 6, not 4).
+  // Session 57 (BENCHMARKS.md, H100, against a step a slot): 1:4 and 1:8 1.00-1.08x at 150-640 rows
+  // on the LLaMA projections (1:4 on 11008 x 4096 at 640 rows 0.93-0.97x); 2:8, whose regrouping
+  // binds more, 0.96-1.03x, so it keeps a step a slot; a group a slot where it adds no stages ran
+  // 0.98-0.99x at 64 rows (its addresses take more instructions).
+  static constexpr int kStepGroup = kBudget / slot_of(1) >= 8 ? 4 : 2;
+  static constexpr int kStepStages = static_cast<int>(kBudget / slot_of(1)) / kStepGroup * kStepGroup;
+  static constexpr int kSlotGroup = kBudget / slot_of(4) >= 2 ? 4 : 2;
+  static constexpr int kSlotStages = static_cast<int>(kBudget / slot_of(kSlotGroup)) * kSlotGroup;
+  static constexpr int kPerSlot = kN == 1 && kSlotStages > kStepStages ? kSlotGroup : 1;
+  static constexpr int kGroup = kPerSlot > 1 ? kSlotGroup : kStepGroup;
+  static constexpr int kStages = kPerSlot > 1 ? kSlotStages : kStepStages;
+  static constexpr size_t kSlot = slot_of(kPerSlot);
+  static constexpr size_t kBarriers = kStages / kPerSlot * kSlot;
   static constexpr size_t kBytes = kBarriers + 3 * kStages * 8 + 1024;  // + slack to align the ring
   static constexpr size_t kTableBytes = Regroup<kN, kM>::kTableEntries * Regroup<kN, kM>::kEntryBytes;  // static
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
-  static constexpr uint32_t kWindowBytes = kTileW * OffsetWindow::kWindowWords * 4;  // ... plus, by tensor copy
+  static constexpr uint32_t kWindowBytes = static_cast<uint32_t>(kWindow);  // ... plus, by tensor copy
+  // Where stage s's parts lie, in bytes from the ring's start: the i-th step of a slot has the
+  // i-th of each kind. kXStride and kAStride: how far apart consecutive stages' tiles lie.
+  static constexpr uint32_t kXStride = static_cast<uint32_t>(kPerSlot > 1 ? kX : kSlot);
+  static constexpr uint32_t kAStride = static_cast<uint32_t>(kPerSlot > 1 ? kA : kSlot);
+  __host__ __device__ static constexpr uint32_t slot_at(int s) { return static_cast<uint32_t>(s / kPerSlot * kSlot); }
+  __host__ __device__ static constexpr uint32_t x_at(int s) {
+    return slot_at(s) + static_cast<uint32_t>(s % kPerSlot * kX);
+  }
+  __host__ __device__ static constexpr uint32_t a_at(int s) {
+    return slot_at(s) + static_cast<uint32_t>(kPerSlot * kX + s % kPerSlot * kA);
+  }
+  __host__ __device__ static constexpr uint32_t values_at(int s) {
+    return slot_at(s) + static_cast<uint32_t>(kPerSlot * (kX + kA) + s % kPerSlot * F::kValues);
+  }
+  __host__ __device__ static constexpr uint32_t meta_at(int s) {
+    return slot_at(s) + static_cast<uint32_t>(kPerSlot * (kX + kA + F::kValues) + s % kPerSlot * kMeta);
+  }
+  // Step s's offset words: its group's window (tensor; in the slot of the group's first step) or
+  // its own (cp.async).
+  __host__ __device__ static constexpr uint32_t words_at(int s, bool tensor) {
+    return slot_at(tensor ? s & ~(kGroup - 1) : s) +
+           static_cast<uint32_t>(kPerSlot * kStep + (tensor ? 0 : s % kPerSlot * kStepWords));
+  }
   static_assert(OffsetWindow::kWindowWords >= 3 + (kGroup * F::kEntries * F::kBits + 31) / 32 + 1,
                 "a window from the 16-byte boundary holds the group's offset bits");
-  static_assert(F::kValues % 128 == 0, "the offset words' tensor copies land 128-byte aligned");
-  static_assert(kStages >= 2 * kGroup, "a group of steps in the MMAs while the next group is copied and regrouped");
+  static_assert(F::kValues % 128 == 0 && kX % 1024 == 0 && kA % 1024 == 0 && kMeta % 128 == 0,
+                "tiles on 1 KB swizzle atoms, tensor copies' values and offset words 128-byte aligned");
+  static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
+                "a group of steps in the MMAs while the next group is copied and regrouped; groups never wrap");
   static_assert(sm90::kFinishBytes<kRows> <= kBarriers, "finish_tile's scratch fits in the ring");
   static_assert(kPerSm == 2 || kBytes >= sm90::kWholeSmBytes, "one block per SM, as launch_split's waves count them");
   static_assert(kBytes + kTableBytes <= 227 * 1024, "a block's shared memory, dynamic and static");
   static_assert(kPerSm == 1 || 2 * (kBytes + kTableBytes + 1024) <= 228 * 1024, "two blocks (and their reserved 1 KB) per SM");
 };
-
 
 // The structure of wgmma_sp_kernel with a third role in between: the last warp copies (TMA for
 // the activation tile, the packed values and, where aligned, a group's offset words, else
@@ -607,12 +655,10 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
   const uint32_t ring = sm90::smem_addr(smem);
   __shared__ uint2 table[Regroup<kN, kM>::kTableEntries];
-  auto stage_at = [&](int s) { return ring + static_cast<uint32_t>(s * L::kStage); };
   auto full = [&](int s) { return ring + static_cast<uint32_t>(L::kBarriers) + s * 8; };  // copies landed
   auto ready = [&](int s) { return full(S) + s * 8; };                                     // regrouped
   auto empty = [&](int s) { return ready(S) + s * 8; };                                    // multiplied
-  auto packed = [&](int s) { return smem + s * L::kStage + L::kX + L::kA; };
-  auto meta = [&](int s) { return reinterpret_cast<uint32_t*>(smem + s * L::kStage + L::kX + L::kA + L::kPacked); };
+  auto meta = [&](int s) { return reinterpret_cast<uint32_t*>(smem + L::meta_at(s)); };
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kRegroupThreads<kN, kRows>) / 32;
@@ -638,11 +684,11 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     const int64_t w0 = tile.w0;
     if (lane == 0) maps.prefetch(tensor_offsets);
     auto activations = [&](int s, int t) {
-      sm90::tma_load_2d(stage_at(s), &maps.x, t * kBK, static_cast<int>(tile.rows.from), full(s));
+      sm90::tma_load_2d(ring + L::x_at(s), &maps.x, t * kBK, static_cast<int>(tile.rows.from), full(s));
     };
     // The offset words (OffsetWindow): where rows of them may be tensor tiles, a group's in one
     // tensor copy with its first step (zeros past the row and past Nout, as copy_offset_words
-    // writes), which stay in that stage until the group's last step is regrouped (consume hands a
+    // writes), which stay in the group's slot until its last step is regrouped (consume hands a
     // group's first half back only after the second half is ready); else each step's by the lanes'
     // cp.async. Session 49 (BENCHMARKS.md): the cp.async copies -- 384 four-byte copies a step for
     // 2:8 -- took as much of the call's time as the regrouping itself; a box a group made 2:8
@@ -655,17 +701,15 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     // rows, 1.00x at 1024-4096 -- the regrouping threads' path through a step binds at those rows
     // (more of them did not shorten it, kRegroupThreads; fewer instructions on it did,
     // Regroup::kEntryGroups).
-    const uint32_t words = static_cast<uint32_t>(L::kX + L::kA + F::kValues);
     auto values = [&](int s, int t) {
-      sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX + L::kA), &maps.values, t * F::kEntries,
-                        static_cast<int>(w0), full(s));
+      sm90::tma_load_2d(ring + L::values_at(s), &maps.values, t * F::kEntries, static_cast<int>(w0), full(s));
       if (tensor_offsets && s % G == 0)
-        sm90::tma_load_2d(stage_at(s) + words, &maps.offsets,
+        sm90::tma_load_2d(ring + L::words_at(s, true), &maps.offsets,
                           static_cast<int>(OffsetWindow::first_word<F, G>(t, true) * 2), static_cast<int>(w0), full(s));
     };
     auto offsets = [&](int s, int t) {
       if (!tensor_offsets)
-        sm90::copy_offset_words<F::kIndexWords>(p, stage_at(s) + words, F::first_word(t), w0, lane, full(s));
+        sm90::copy_offset_words<F::kIndexWords>(p, ring + L::words_at(s, false), F::first_word(t), w0, lane, full(s));
     };
     const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
     auto bytes = [&](int s) { return tensor_bytes + (tensor_offsets && s % G == 0 ? L::kWindowBytes : 0u); };
@@ -676,13 +720,15 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   auto regroup_steps = [&](int begin, int end, sm90::RingSlot<S> stage) {
     const int i = threadIdx.x - kThreads;
     // A loop for each place of the offset words (their rows' length a constant in each).
-    auto walk = [&](auto per_row) {
+    auto walk = [&](auto tensor_words) {
+      constexpr bool kTensor = decltype(tensor_words)::value;
+      constexpr int kPerRow = kTensor ? OffsetWindow::kWindowWords : F::kIndexWords;
       for (int t = begin; t < end; ++t) {
         const int s = stage.slot;
         sm90::mbarrier_wait(full(s), stage.phase);
-        uint8_t* a_tile = smem + s * L::kStage + L::kX;
-        regroup_share<kN, kM, kRegroupThreads<kN, kRows>, decltype(per_row)::value>(
-            packed(s), OffsetWindow::of<F, G>(t, s, tensor_offsets, packed), i, a_tile, meta(s), table);
+        regroup_share<kN, kM, kRegroupThreads<kN, kRows>, kPerRow>(
+            smem + L::values_at(s), OffsetWindow::of<F, G>(t, smem + L::words_at(s, kTensor), kTensor), i,
+            smem + L::a_at(s), meta(s), table);
         sm90::fence_async_proxy();  // the MMAs read the 2:4 tile through the async proxy
         sm90::mbarrier_arrive(ready(s));
         stage.advance();
@@ -690,8 +736,8 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       return stage;
     };
     if constexpr (L::kTensorOffsets)
-      if (tensor_offsets) return walk(std::integral_constant<int, OffsetWindow::kWindowWords>{});
-    return walk(std::integral_constant<int, F::kIndexWords>{});
+      if (tensor_offsets) return walk(std::true_type{});
+    return walk(std::false_type{});
   };
   // The consumers' MMAs of steps [begin, end) into acc (from zero), step begin in stage `from`.
   auto consume_steps = [&](int begin, int end, sm90::RingSlot<S> from) {
