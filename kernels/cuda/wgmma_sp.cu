@@ -558,7 +558,7 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
 // table is static shared memory, whose address the lookups take from a uniform register: one add
 // fewer each.) A slot of one step holds a whole window, which only a group's first step uses, and
 // is rounded up to 1 KB: the 160-row tile fits 4 such stages in 216 KB, and 6 in slots of a group
-// (the 2:4 kernel with 4 stages on that tile instead of 6 ran 0.89-0.99x, session 57). kPerSm
+// (the 2:4 kernel with 4 stages on that tile instead of 6 ran 0.89-1.00x as fast, session 57). kPerSm
 // blocks share an SM: 1, or 2 with a ring of at most 100 KB each (two_per_sm_split), whose offset
 // words always go by cp.async (room for the tensor copies' wider rows would leave it too few stages).
 template <int kN, int kM, int kRows, int kPerSm = 1>
