@@ -260,6 +260,27 @@ def test_warpgroup_kernels_on_160_and_192_row_tiles(rng, n, m, path, dtype_name,
         assert kernels.last_tile_plan()[:3] == plan
 
 
+# Regrouping-kernel calls on the 160-row tile whose offset words go by tensor copy (a row's offset
+# words a multiple of 4 for 2:8, 1:4 and 1:8 at K = 4096; the calls above have K = 4104, 11008 or
+# 1000, whose 2:8 words go by cp.async): the ring in slots of a group, and for 2:8 a warpgroup of
+# regrouping threads (wgmma_sp.cu, launch_regrouped). (rows, K, Nout, plan as above.)
+ALIGNED_160_CALLS = [
+    (300, 4096, 4096, (160, 2, False)),  # K split over clusters of 2, the last row tile overlapping
+    (150, 4096, 14336, (160, 1, False)),  # one partial row tile, 112 weight tiles
+]
+
+
+@pytest.mark.parametrize("n,m", [(2, 8), (1, 4), (1, 8)])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows,k,nout,plan", ALIGNED_160_CALLS)
+def test_regrouping_kernel_on_160_rows_with_offsets_by_tensor_copy(rng, n, m, dtype_name, rows, k, nout, plan):
+    """The regrouping kernel's 160-row tile where its offset words go by tensor copy (the ring in
+    slots of a group) against the float64 reference with poisoned outputs, on the plan named."""
+    assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert kernels.last_tile_plan()[:3] == plan
+
+
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]
 
 

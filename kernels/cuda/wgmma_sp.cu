@@ -109,9 +109,13 @@ struct SpLayout {
 // rows against 0.99-1.04x, a warpgroup for 1:4 and 1:8 (0.92-0.99x there, against 0.81-0.92x
 // with two warps). The 192-row tile takes the 256-row tile's (ptxas: 126 registers, no spills; a
 // warpgroup was not tried), the 160-row tile the 128-row tile's (ptxas: 110 registers, no spills; a
-// warpgroup for 2:8 ran 0.95-1.01x of two warps at 150-640 rows, session 53).
-template <int kN, int kRows>
-constexpr int kRegroupThreads = kRows >= 192 ? (kN == 1 ? 96 : 64) : kN == 2 ? 64 : 128;
+// warpgroup for 2:8 ran 0.95-1.01x of two warps at 150-640 rows, session 53). kSlots (a kernel
+// whose ring takes slots of a group, RegroupLayout): 2:8 on the 160-row tile then takes a warpgroup
+// (session 57: 0.99-1.08x two warps' 4 stages where the offset words go by tensor copy).
+template <int kN, int kRows, bool kSlots>
+constexpr int kRegroupThreads = kRows >= 192   ? (kN == 1 ? 96 : 64)
+                                : kN == 2      ? (kSlots && kRows == 160 ? 128 : 64)
+                                               : 128;
 
 // Issues a consumer warpgroup's MMAs for kSteps steps from stage s on (of ring layout L at `ring`)
 // with their metadata, as one commit group; the caller waits for it (wgmma_wait) before it writes
@@ -561,7 +565,7 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
 // (the 2:4 kernel with 4 stages on that tile instead of 6 ran 0.89-1.00x as fast, session 57). kPerSm
 // blocks share an SM: 1, or 2 with a ring of at most 100 KB each (two_per_sm_split), whose offset
 // words always go by cp.async (room for the tensor copies' wider rows would leave it too few stages).
-template <int kN, int kM, int kRows, int kPerSm = 1>
+template <int kN, int kM, int kRows, int kPerSm, bool kSlots>
 struct RegroupLayout {
   using F = sm90::Family<kN, kM>;
   static constexpr bool kTensorOffsets = kPerSm == 1;  // where offset_rows_aligned (OffsetWindow)
@@ -577,16 +581,17 @@ struct RegroupLayout {
     return (g * kStep + std::max(kTensorOffsets ? kWindow : 0, g * kStepWords) + 1023) / 1024 * 1024;
   }
   // Steps per group, issued in halves (consume): 4 where 8 stages fit, else 2. A slot holds one
-  // step, or for 1:4 and 1:8 a group where that fits more stages (the 160-row tile: 6, not 4).
-  // Session 57 (BENCHMARKS.md, H100, against a step a slot): 1:4 and 1:8 1.00-1.08x at 150-640 rows
-  // on the LLaMA projections (1:4 on 11008 x 4096 at 640 rows 0.93-0.97x); 2:8, whose regrouping
-  // binds more, 0.96-1.03x, so it keeps a step a slot; a group a slot where it adds no stages ran
-  // 0.98-0.99x at 64 rows (its addresses take more instructions).
+  // step, or with kSlots (launch_regrouped) a group where that fits more stages (the 160-row tile:
+  // 6, not 4). Session 57 (BENCHMARKS.md, H100, against a step a slot): 1:4 and 1:8 1.00-1.08x at
+  // 150-640 rows on the LLaMA projections (1:4 on 11008 x 4096 at 640 rows 0.93-0.97x); 2:8, whose
+  // regrouping binds more, 0.96-1.03x with two regrouping warps, 0.99-1.08x with four where its
+  // offset words go by tensor copy; a group a slot where it adds no stages ran 0.98-0.99x at 64
+  // rows (its addresses take more instructions).
   static constexpr int kStepGroup = kBudget / slot_of(1) >= 8 ? 4 : 2;
   static constexpr int kStepStages = static_cast<int>(kBudget / slot_of(1)) / kStepGroup * kStepGroup;
   static constexpr int kSlotGroup = kBudget / slot_of(4) >= 2 ? 4 : 2;
   static constexpr int kSlotStages = static_cast<int>(kBudget / slot_of(kSlotGroup)) * kSlotGroup;
-  static constexpr int kPerSlot = kN == 1 && kSlotStages > kStepStages ? kSlotGroup : 1;
+  static constexpr int kPerSlot = kSlots && kSlotStages > kStepStages ? kSlotGroup : 1;
   static constexpr int kGroup = kPerSlot > 1 ? kSlotGroup : kStepGroup;
   static constexpr int kStages = kPerSlot > 1 ? kSlotStages : kStepStages;
   static constexpr size_t kSlot = slot_of(kPerSlot);
@@ -643,13 +648,14 @@ struct RegroupLayout {
 // and 1:8 ran in 0.73-0.99x 2:4's time. Each role's work on a tile's steps is one callable, so
 // that the block runs either its own tile (or a cluster's share of it) or, with kStreamK, a
 // stream-K run of steps over two tiles (sm90::stream_k, kRegroupSplits).
-template <typename T, int kN, int kM, int kRows, bool kEarly, int kPerSm, bool kStreamK = false>
-__global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProducerThreads, kPerSm)
+template <typename T, int kN, int kM, int kRows, bool kSlots, bool kEarly, int kPerSm, bool kStreamK = false>
+__global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows, kSlots> + kProducerThreads, kPerSm)
     wgmma_regroup_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = RegroupLayout<kN, kM, kRows, kPerSm>;
+  using L = RegroupLayout<kN, kM, kRows, kPerSm, kSlots>;
   using F = typename L::F;
   constexpr int S = L::kStages, G = L::kGroup;
+  constexpr int kRegrouping = kRegroupThreads<kN, kRows, kSlots>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
@@ -661,7 +667,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
   auto meta = [&](int s) { return reinterpret_cast<uint32_t*>(smem + L::meta_at(s)); };
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
-  const bool producer = warp == (kThreads + kRegroupThreads<kN, kRows>) / 32;
+  const bool producer = warp == (kThreads + kRegrouping) / 32;
   const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);  // a consumer thread's first weight row
   const bool tensor_offsets = L::kTensorOffsets && offset_rows_aligned(p);  // else the producer's lanes copy them
 
@@ -669,7 +675,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
     for (int s = 0; s < S; ++s) {
       // The expected bytes, then each lane's offset words where they go by cp.async.
       sm90::mbarrier_init(full(s), 1 + (tensor_offsets ? 0 : kProducerThreads));
-      sm90::mbarrier_init(ready(s), kRegroupThreads<kN, kRows>);  // every regrouping thread
+      sm90::mbarrier_init(ready(s), kRegrouping);  // every regrouping thread
       sm90::mbarrier_init(empty(s), kThreads / 32);                // every consumer warp
     }
     sm90::fence_barrier_init();
@@ -726,7 +732,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows> + kProdu
       for (int t = begin; t < end; ++t) {
         const int s = stage.slot;
         sm90::mbarrier_wait(full(s), stage.phase);
-        regroup_share<kN, kM, kRegroupThreads<kN, kRows>, kPerRow>(
+        regroup_share<kN, kM, kRegrouping, kPerRow>(
             smem + L::values_at(s), OffsetWindow::of<F, G>(t, smem + L::words_at(s, kTensor), kTensor), i,
             smem + L::a_at(s), meta(s), table);
         sm90::fence_async_proxy();  // the MMAs read the 2:4 tile through the async proxy
@@ -798,28 +804,40 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
 
 // The regrouping kernel's launch: its packed values are copied by TMA without a swizzle (the
 // regrouping threads read them as laid out in the format), kEntries per row and step.
-template <typename T, int kN, int kM, int kRows, int kPerSm = 1>
-cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
+template <typename T, int kN, int kM, int kRows, int kPerSm, bool kSlots>
+cudaError_t launch_regrouped_as(const PathParams<T>& p, cudaStream_t stream, int splits) {
   using F = sm90::Family<kN, kM>;
-  using L = RegroupLayout<kN, kM, kRows, kPerSm>;
+  using L = RegroupLayout<kN, kM, kRows, kPerSm, kSlots>;
   TileMaps maps{};  // its offset words go by tensor copy where the layout has room and they are aligned
   if (!sm90::packed_maps<F, kRows>(&maps, p) ||
       (L::kTensorOffsets && !offsets_map(&maps.offsets, p, OffsetWindow::kWindowWords)))
     return cudaErrorInvalidValue;
   constexpr size_t kSmem = L::kBytes;
-  constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
+  constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows, kSlots> + kProducerThreads;
   if (p.stream_k_blocks > 0) {
     if constexpr (kRows == kStreamKRows && kPerSm == 1) {
       if (cudaError_t e = sm90::clear_stream_k_flags(p, stream); e != cudaSuccess) return e;
-      return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, false, 1, true>, kRows, kSmem, kBlock>(
+      return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, kSlots, false, 1, true>, kRows, kSmem, kBlock>(
           p, stream, 1, false, maps);
     }
     return cudaErrorInvalidValue;
   }
   return sm90::launch_early_or_not<kRows, kPerSm>(p, splits, [&](auto early) {
-    return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, early(), kPerSm>, kRows, kSmem, kBlock>(
+    return sm90::launch_tiles<wgmma_regroup_kernel<T, kN, kM, kRows, kSlots, early(), kPerSm>, kRows, kSmem, kBlock>(
         p, stream, splits, early(), maps);
   });
+}
+
+// Whether the ring takes slots of a group (RegroupLayout): 1:4 and 1:8 always; 2:8 on the 160-row
+// tile where its offset words go by tensor copy (session 57: with cp.async, as on K = 11008, slots
+// and a warpgroup of regrouping threads ran 0.89-0.90x of a step a slot, slots alone 0.96-1.00x).
+template <int kN>
+constexpr bool kSlotsAlways = kN == 1;
+template <typename T, int kN, int kM, int kRows, int kPerSm = 1>
+cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
+  if constexpr (kN == 2 && kRows == 160 && kPerSm == 1)
+    if (offset_rows_aligned(p)) return launch_regrouped_as<T, kN, kM, kRows, kPerSm, true>(p, stream, splits);
+  return launch_regrouped_as<T, kN, kM, kRows, kPerSm, kSlotsAlways<kN>>(p, stream, splits);
 }
 
 // Two blocks of 64-row activation tiles per SM, each with half the ring (BENCHMARKS.md, session
@@ -840,9 +858,10 @@ template <typename T, int kN, int kM>
 int two_per_sm_split(const PathParams<T>& p, int64_t steps) {
   constexpr int kRows = kTwoPerSmRows;
   if (p.rows > kRows) return 0;
-  constexpr auto kernel = wgmma_regroup_kernel<T, kN, kM, kRows, true, 2>;
-  constexpr int kSmem = static_cast<int>(RegroupLayout<kN, kM, kRows, 2>::kBytes);
-  constexpr int kBlock = kThreads + kRegroupThreads<kN, kRows> + kProducerThreads;
+  constexpr bool kSlots = kSlotsAlways<kN>;  // as launch_regrouped takes it
+  constexpr auto kernel = wgmma_regroup_kernel<T, kN, kM, kRows, kSlots, true, 2>;
+  constexpr int kSmem = static_cast<int>(RegroupLayout<kN, kM, kRows, 2, kSlots>::kBytes);
+  constexpr int kBlock = kThreads + kRegroupThreads<kN, kRows, kSlots> + kProducerThreads;
   if (allow_dynamic_smem<kernel>(kSmem) != cudaSuccess) return 0;
   const int64_t tiles = (p.nout + kTileW - 1) / kTileW, least_blocks = multiprocessor_count() * 5 / 4;
   for (int split = 1; split <= sm90::kMostBlocks && steps / split >= 8; ++split)
