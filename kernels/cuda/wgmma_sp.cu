@@ -830,13 +830,19 @@ cudaError_t launch_regrouped_as(const PathParams<T>& p, cudaStream_t stream, int
 
 // Whether the ring takes slots of a group (RegroupLayout): 1:4 and 1:8 always; 2:8 on the 160-row
 // tile where its offset words go by tensor copy (session 57: with cp.async, as on K = 11008, slots
-// and a warpgroup of regrouping threads ran 0.89-0.90x of a step a slot, slots alone 0.96-1.00x).
+// and a warpgroup of regrouping threads ran 0.89-0.90x of a step a slot, slots alone 0.96-1.00x)
+// and its blocks walk at least kSlotsFromSteps steps (session 58: short K splits, 4096 x 1024's
+// 6 and 8 ways, 8-11 steps a block, ran faster a step a slot).
 template <int kN>
 constexpr bool kSlotsAlways = kN == 1;
+constexpr int64_t kSlotsFromSteps = 16;
 template <typename T, int kN, int kM, int kRows, int kPerSm = 1>
 cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
-  if constexpr (kN == 2 && kRows == 160 && kPerSm == 1)
-    if (offset_rows_aligned(p)) return launch_regrouped_as<T, kN, kM, kRows, kPerSm, true>(p, stream, splits);
+  if constexpr (kN == 2 && kRows == 160 && kPerSm == 1) {
+    const int64_t steps = (p.groups * kM + kBK - 1) / kBK;
+    if (offset_rows_aligned(p) && (steps + splits - 1) / splits >= kSlotsFromSteps)
+      return launch_regrouped_as<T, kN, kM, kRows, kPerSm, true>(p, stream, splits);
+  }
   return launch_regrouped_as<T, kN, kM, kRows, kPerSm, kSlotsAlways<kN>>(p, stream, splits);
 }
 
