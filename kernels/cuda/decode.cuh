@@ -16,7 +16,7 @@
 //  * Measured and not kept (BENCHMARKS.md, sessions 4 and 16): 4 vectors per step, cp.async
 //    landing rings in shared memory 2-4 steps deep, and 3 register buffers of 1 vector (more or
 //    finer bytes in flight, same or slower). Session 58, at 1-2 rows: each warp's steps brought
-//    into a ring of its own in shared memory by bulk copies one lane issues (2-8 steps deep; at
+//    into a ring of its own in shared memory by bulk copies one lane issues (2-5 steps deep; at
 //    best level with this walk for 2:8 and 4:16, 0.85-0.98x for 2:4 and 1:4, and slower the
 //    deeper the ring), and each warp asking L2 for its next row at a row's end (0.81-0.95x):
 //    more bytes in flight made these calls slower, not faster.
