@@ -828,20 +828,23 @@ cudaError_t launch_regrouped_as(const PathParams<T>& p, cudaStream_t stream, int
   });
 }
 
-// Whether the ring takes slots of a group (RegroupLayout): 1:4 and 1:8 always; 2:8 on the 160-row
-// tile where its offset words go by tensor copy (session 57: with cp.async, as on K = 11008, slots
-// and a warpgroup of regrouping threads ran 0.89-0.90x of a step a slot, slots alone 0.96-1.00x)
-// and its blocks walk at least kSlotsFromSteps steps (session 58: short K splits, 4096 x 1024's
-// 6 and 8 ways, 8-11 steps a block, ran faster a step a slot).
+// Whether the ring takes slots of a group (RegroupLayout): 1:4 and 1:8 always but on short K
+// splits of the 160-row tile, 2:8 there where its offset words go by tensor copy (session 57: with
+// cp.async, as on K = 11008, slots and a warpgroup of regrouping threads ran 0.89-0.90x of a step a
+// slot, slots alone 0.96-1.00x). On the 160-row tile (the one where slots add stages) only where
+// the blocks walk at least kSlotsFromSteps steps (session 58: 4096 x 1024's 6- and 8-way K splits,
+// 8-11 steps a block, ran faster a step a slot).
 template <int kN>
 constexpr bool kSlotsAlways = kN == 1;
 constexpr int64_t kSlotsFromSteps = 16;
 template <typename T, int kN, int kM, int kRows, int kPerSm = 1>
 cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
-  if constexpr (kN == 2 && kRows == 160 && kPerSm == 1) {
+  if constexpr (kRows == 160 && kPerSm == 1) {
     const int64_t steps = (p.groups * kM + kBK - 1) / kBK;
-    if (offset_rows_aligned(p) && (steps + splits - 1) / splits >= kSlotsFromSteps)
-      return launch_regrouped_as<T, kN, kM, kRows, kPerSm, true>(p, stream, splits);
+    const bool long_blocks = (steps + splits - 1) / splits >= kSlotsFromSteps;
+    const bool slots = long_blocks && (kN == 1 || offset_rows_aligned(p));
+    return slots ? launch_regrouped_as<T, kN, kM, kRows, kPerSm, true>(p, stream, splits)
+                 : launch_regrouped_as<T, kN, kM, kRows, kPerSm, false>(p, stream, splits);
   }
   return launch_regrouped_as<T, kN, kM, kRows, kPerSm, kSlotsAlways<kN>>(p, stream, splits);
 }
