@@ -267,7 +267,7 @@ def test_warpgroup_kernels_on_160_and_192_row_tiles(rng, n, m, path, dtype_name,
 ALIGNED_160_CALLS = [
     (300, 4096, 4096, (160, 2, False)),  # K split over clusters of 2, the last row tile overlapping
     (150, 4096, 14336, (160, 1, False)),  # one partial row tile, 112 weight tiles
-    (150, 4096, 1024, (160, 8, False)),  # 8 steps a block: 2:8 keeps a step a slot
+    (150, 4096, 1024, (160, 8, False)),  # 8 steps a block: a step a slot (kSlotsFromSteps)
 ]
 
 
