@@ -597,7 +597,7 @@ bool wgmma_device() { return compute_capability() == 90; }
 template <typename T>
 cudaError_t run_wgmma(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_family, [&](auto kN, auto kM) {
-    const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
+    const int64_t steps = sm90::k_steps(p.groups, kM());
     const auto launch = [&](auto rows, int splits, const PathParams<T>& tiles) {
       return launch_expanded<T, kN(), kM(), rows()>(tiles, stream, splits);
     };

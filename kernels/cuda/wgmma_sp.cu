@@ -840,7 +840,7 @@ constexpr int64_t kSlotsFromSteps = 16;
 template <typename T, int kN, int kM, int kRows, int kPerSm = 1>
 cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
   if constexpr (kRows == 160 && kPerSm == 1) {
-    const int64_t steps = (p.groups * kM + kBK - 1) / kBK;
+    const int64_t steps = sm90::k_steps(p.groups, kM);
     const bool long_blocks = (steps + splits - 1) / splits >= kSlotsFromSteps;
     const bool slots = long_blocks && (kN == 1 || offset_rows_aligned(p));
     return slots ? launch_regrouped_as<T, kN, kM, kRows, kPerSm, true>(p, stream, splits)
@@ -903,7 +903,7 @@ bool wgmma_sp_family(int n, int m) {
 template <typename T>
 cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_sp_family, [&](auto kN, auto kM) {
-    const int64_t steps = (p.groups * kM() + kBK - 1) / kBK;
+    const int64_t steps = sm90::k_steps(p.groups, kM());
     if constexpr (kN() != 2 || kM() != 4)
       if (const int split = two_per_sm_split<T, kN(), kM()>(p, steps); split > 0)
         return launch_regrouped<T, kN(), kM(), kTwoPerSmRows, 2>(p, stream, split);

@@ -23,6 +23,8 @@ namespace nmcli {
 namespace sm90 {
 
 constexpr int kBK = 64;                      // K positions per step: one 128-byte swizzle row of B
+// Steps of kBK positions over a call's K, groups of m positions each (the last step may be partial).
+__host__ __device__ constexpr int64_t k_steps(int64_t groups, int m) { return (groups * m + kBK - 1) / kBK; }
 // ... of T in general (32 for fp32: wgmma_tf32.cu).
 template <typename T> constexpr int kStepOf = 128 / static_cast<int>(sizeof(T));
 constexpr int kWarpgroups = 2;
