@@ -254,7 +254,6 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(2, 2, 8, 4096, 1040, "float16") == "decode"
     assert _kernels.cuda_path(3, 1, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(3, 1, 4, 4096, 28672, "float16") == dm  # groups of 4: from 3 rows at any width
-    assert _kernels.cuda_path(3, 2, 4, 4096, 14336, "bfloat16") == dm
     assert _kernels.cuda_path(2, 2, 8, 4096, 14336, "float16") == "decode"
     assert _kernels.cuda_path(3, 2, 8, 4096, 14336, "float16") == dm
     assert _kernels.cuda_path(3, 1, 8, 4096, 16384, "float16") == dm
@@ -263,14 +262,17 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(5, 1, 8, 4096, 28672, "bfloat16") == dm
     assert _kernels.cuda_path(5, 1, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(8, 2, 8, 4096, 1024, "bfloat16") == dm
-    # 2:4 at 5..8 rows: the sparse tensor cores, on the grids they take from 9 rows, where decode_mma
-    # splits K (there from 3 rows, below).
+    # 2:4 at 3..8 rows: the sparse tensor cores where the output is wider than 4096 or decode_mma
+    # splits K (below); decode_mma up to 4096 wide.
     assert _kernels.cuda_path(8, 2, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(4, 2, 4, 4096, 4096, "float16") == dm
+    assert _kernels.cuda_path(3, 2, 4, 4096, 4104, "float16") == ("wgmma_sp" if sm90 else dm)
+    assert _kernels.cuda_path(3, 2, 4, 4096, 14336, "bfloat16") == ("wgmma_sp" if sm90 else dm)
+    assert _kernels.cuda_path(2, 2, 4, 4096, 14336, "float16") == "decode"
     assert _kernels.cuda_path(8, 2, 4, 4096, 896, "float16") == dm  # 7 weight tiles: not a sparse tensor-core grid
     assert _kernels.cuda_path(4, 2, 4, 4096, 1024, "float16") == dm
     assert _kernels.cuda_path(5, 2, 4, 4096, 1024, "float16") == dm
-    assert _kernels.cuda_path(8, 2, 4, 4096, 28672, "float16") == dm
+    assert _kernels.cuda_path(8, 2, 4, 4096, 28672, "float16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path(5, 2, 4, 11008, 4096, "bfloat16") == ("wgmma_sp" if sm90 else "decode")
     assert _kernels.cuda_path(8, 2, 4, 11008, 896, "float16") == dm  # 7 weight tiles
     # Where decode_mma splits K (the down projections): 2:4 on the sparse tensor cores from 3 rows,

@@ -21,9 +21,13 @@
 //    rows, 2048 x 2048 to 4096 x 28672) and for groups of 8 at 3 where Nout <= 16384, else 5
 //    (session 38: 1.02-1.08x decode at 3 rows on 4096 x 11008 and 14336; decode 1.07-1.09x at 3-4
 //    rows on 4096 x 28672; session 36: at 2 rows decode won on 2048 x 2048 and wider). 2:4 takes
-//    it to 8 rows on every width (session 38: 1.08-1.15x the sparse tensor cores at 5-8 rows on
-//    4096 x 1024, which session 36 gave to them; 0.93-0.98x at 7-8 rows on 4096 x 14336, the one
-//    shape of 14 where they won). Session 36 against the rule before it (run B, 100 points at 2-8
+//    it to 8 rows up to 4096 wide (session 38: 1.08-1.15x the sparse tensor cores at 5-8 rows on
+//    4096 x 1024, which session 36 gave to them); wider, the sparse tensor cores take 2:4 from 3
+//    rows (session 59, H200, ab_kernels --path auto|decode_mma|wgmma_sp|decode at 3, 4 and 8 rows:
+//    wgmma_sp 1.10-1.21x decode_mma on 4096 x 6144, 1.22-1.36x on 4096 x 11008 and 14336,
+//    1.19-1.26x on 4096 x 28672; on 4096 x 4096 0.98x at 3 rows, 1.02x at 4, 1.10x at 8; session
+//    38 had found them ahead only at 7-8 rows on 4096 x 14336, before sessions 39-58 made them
+//    faster). Session 36 against the rule before it (run B, 100 points at 2-8
 //    rows on 4096 x 1024, 6144, 14336, 22016, 28672): 68 points 1.02-1.76x, 31 within 2%. Session
 //    35 (the first version): 1.34-1.73x the rule before it at 9-16 rows on the K = 4096 LLaMA
 //    projections (wgmma_sp before). Calls that read a 2:4 copy keep it from 9 rows, as does 2:4.
@@ -441,7 +445,8 @@ CudaPath choose_path(const CudaMatMul& call) {
   // over a cluster (K past one block's shared memory, as in the down projections), groups of 8
   // (and 4:8, 4:16) start at 5 rows while decode stages K in one chunk (session 37: decode
   // 1.04-1.18x at 4 rows on 11008 x 4096, decode_mma 1.14-1.24x on 14336 x 4096 in two chunks),
-  // and 2:4 takes the sparse tensor cores from 3 rows (1.02-1.16x decode_mma at 3-8 rows there).
+  // and 2:4 takes the sparse tensor cores from 3 rows (1.02-1.16x decode_mma at 3-8 rows there),
+  // as it does on outputs wider than 4096 (session 59: 1.10-1.36x).
   const bool sparse = 4 * call.shape.n <= call.shape.m;
   const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
   const int64_t nout = call.shape.nout;
@@ -460,10 +465,11 @@ CudaPath choose_path(const CudaMatMul& call) {
   // rows with those weight tiles, else from kWgmmaCrossover rows on kWgmmaMinBlocks blocks.
   const bool sparse_grid = enough_tiles || wgmma_blocks >= kWgmmaSpMinBlocks;
   if (call.rows <= kDecodeMmaCrossover) {
-    const int64_t two_of_four_sp_from = decode_mma_splits ? kTwoOfFourSplitSpFromRows : kDecodeMmaFromRows;
+    const bool two_of_four_sp_early = decode_mma_splits || nout > kTwoOfFourSpWideNout;
+    const int64_t two_of_four_sp_from = two_of_four_sp_early ? kTwoOfFourSpFromRows : kDecodeMmaFromRows;
     const bool two_of_four_sp = two_of_four && call.rows >= two_of_four_sp_from && sparse_grid &&
                                 path_supported(call, CudaPath::wgmma_sp);
-    if (decode_mma_takes && !(two_of_four_sp && decode_mma_splits)) return CudaPath::decode_mma;
+    if (decode_mma_takes && !(two_of_four_sp && two_of_four_sp_early)) return CudaPath::decode_mma;
     return two_of_four_sp ? CudaPath::wgmma_sp : CudaPath::decode;
   }
   if (path_supported(call, CudaPath::vector) && (call.dtype == DType::f32 || vector16_takes(call)))
