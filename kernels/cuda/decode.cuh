@@ -21,8 +21,10 @@
 //    deeper the ring), and each warp asking L2 for its next row at a row's end (0.81-0.95x):
 //    more bytes in flight made these calls slower, not faster.
 //  * What bounds a 1-row call is instruction issue (session 16, Nsight Compute: the schedulers
-//    issue on 80% of cycles), so the inner loop is written for few instructions per entry: one
-//    shift and one LOP3 place an entry's offset field in its shared-memory address.
+//    issue on 80% of cycles; session 59, H200: its warps ready or issuing on 25% of their cycles,
+//    a flat read's on 2%, which waits on memory), so the inner loop is written for few
+//    instructions per entry: one shift and one LOP3 place an entry's offset field in its
+//    shared-memory address.
 //  * Where K is staged once and a block walks several row tiles, at 1-2 rows, a leaner walk of
 //    whole rows (kWalkRows): each warp's loads move along the row from pointers, and what depends
 //    only on the lane is computed once (0.98-1.06x on the wide LLaMA projections, session 49).
