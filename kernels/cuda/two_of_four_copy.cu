@@ -71,6 +71,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     two_of_four_copy_words(const uint16_t* values, const uint32_t* indices, NMShape shape, int words_per_row,
                            uint32_t* copy_values, uint32_t* copy_indices) {
   constexpr int kGroups = 32 / kM, kE = kGroups * kN, kBits = index_bits(kM);
+  static_assert(kM >= 8 || kN == 1, "of M = 2 and 4, 1:2 and 1:4 (2:4 takes no copy)");
   const int w = blockIdx.x * kCopyThreads + threadIdx.x;
   if (w >= words_per_row) return;
   const int64_t first = 32 * static_cast<int64_t>(w);  // the word's first position
@@ -79,39 +80,61 @@ __global__ void __launch_bounds__(kCopyThreads)
     load_entries<kE>(values + col * shape.row_len + static_cast<int64_t>(w) * kE, entries);
     const uint32_t offsets = read_bits(indices + col * shape.index_words, first / kM * kN * kBits, kE * kBits);
     uint32_t pairs[8], word = 0;
+    if constexpr (kM <= 4) {  // a block of 4 positions holds two groups (1:2) or one (1:4)
 #pragma unroll
-    for (int b = 0; b < 8; ++b) {
-      int found = 0;
-      uint32_t at0 = 0, at1 = 0, value0 = 0, value1 = 0;
-      if constexpr (kM == 2) {
+      for (int b = 0; b < 8; ++b) {
+        constexpr int kPerBlock = 4 / kM;  // entries a block: groups 2b and 2b + 1 (1:2), group b (1:4)
+        int found = 0;
+        uint32_t at0 = 0, at1 = 0, value0 = 0, value1 = 0;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // groups 2b and 2b + 1: entries 2b and 2b + 1
-          const int e = 2 * b + h;
-          const uint32_t at = 2 * h + (offsets >> e & 1u);
+        for (int s = 0; s < kPerBlock; ++s) {
+          const int e = kPerBlock * b + s;
+          const uint32_t at = kM == 2 ? 2 * s + (offsets >> e & 1u) : offsets >> (e * kBits) & 3u;
           const bool here = first + 4 * b + at < shape.k;
           const uint32_t value = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
           if (here && found == 0) at0 = at, value0 = value;
           if (here && found == 1) at1 = at, value1 = value;
           found += here;
         }
-      } else {
-        constexpr int kBlocksPerGroup = kM / 4;
-        const int group = b / kBlocksPerGroup, quarter = b % kBlocksPerGroup;  // the group's block holding b
+        uint32_t fields = 0;
+        pairs[b] = 0;
+        if (first + 4 * b < shape.k) copy_block(found, at0, value0, at1, value1, pairs[b], fields);  // else row padding
+        word |= fields << (4 * b);
+      }
+    } else {
+      // Group by group (M >= 8): its kN <= 2 entries (in position order) each fall in the block
+      // their offset's high bits name, so each of its kM / 4 blocks holds both, one or none.
+      // Session 60 (H200, scripts/two_of_four_copy_time.py): against walking every block's entries,
+      // as 1:2 and 1:4 still do, 2:8 1.04-1.14x, 1:8 1.12-1.17x, 2:16 1.12-1.21x (2:8 from 41-71% to
+      // 47-79% of the copy bandwidth); 1:4 ran 0.84-0.90x this way, so it keeps the block walk.
+      constexpr int kBlocksPerGroup = kM / 4;
+      const int64_t past = shape.k - first;  // positions of the word inside K: 0..32
+      const uint32_t inside = past <= 0 ? 0u : past >= 32 ? 32u : static_cast<uint32_t>(past);
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        uint32_t at[2] = {0, 0}, value[2] = {0, 0};
+        bool valid[2] = {false, false};
 #pragma unroll
         for (int s = 0; s < kN; ++s) {
-          const int e = group * kN + s;
-          const uint32_t offset = offsets >> (e * kBits) & ((1u << kBits) - 1u);
-          const bool here = static_cast<int>(offset >> 2) == quarter && first + group * kM + offset < shape.k;
-          const uint32_t value = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
-          if (here && found == 0) at0 = offset & 3, value0 = value;
-          if (here && found == 1) at1 = offset & 3, value1 = value;
-          found += here;
+          const int e = g * kN + s;
+          at[s] = offsets >> (e * kBits) & ((1u << kBits) - 1u);
+          value[s] = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
+          valid[s] = g * kM + at[s] < inside;  // entries of a partial last group past K hold nothing
+        }
+#pragma unroll
+        for (int q = 0; q < kBlocksPerGroup; ++q) {  // selects, not branches: the cases diverge in a warp
+          const int b = g * kBlocksPerGroup + q;
+          const bool in0 = valid[0] && at[0] >> 2 == static_cast<uint32_t>(q);
+          const bool in1 = kN == 2 && valid[1] && at[1] >> 2 == static_cast<uint32_t>(q);
+          // copy_block's rule as selects: a lone entry at offset a pairs with position 1 (a = 0) or 0
+          const uint32_t one_at = (in0 ? at[0] : at[1]) & 3, one_value = in0 ? value[0] : value[1];
+          const uint32_t one_pair = one_at == 0 ? one_value : one_value << 16, one_fields = one_at == 0 ? 1u << 2 : one_at << 2;
+          const bool padding = 4 * b >= static_cast<int>(inside);
+          pairs[b] = padding ? 0u : in0 && in1 ? value[0] | value[1] << 16 : in0 || in1 ? one_pair : 0u;
+          const uint32_t fields = in0 && in1 ? (at[0] & 3) | (at[1] & 3) << 2 : in0 || in1 ? one_fields : 1u << 2;
+          word |= (padding ? 0u : fields) << (4 * b);
         }
       }
-      uint32_t fields = 0;
-      pairs[b] = 0;
-      if (first + 4 * b < shape.k) copy_block(found, at0, value0, at1, value1, pairs[b], fields);  // else row padding
-      word |= fields << (4 * b);
     }
     uint4* out = reinterpret_cast<uint4*>(copy_values + col * (8 * static_cast<int64_t>(words_per_row)) + 8 * w);
     out[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
