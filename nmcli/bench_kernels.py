@@ -54,16 +54,19 @@ class KernelRow:
     tile: str = ""         # the warpgroup kernels' tile plan (tile_text), else empty
 
 
-def tile_text(plan: tuple[int, int, bool, bool]) -> str:
+def tile_text(plan: tuple) -> str:
     """_kernels.last_tile_plan() in short: activation-tile rows, "/S" for a K split S ways over a
-    cluster, " last" where only the last wave's tiles split, " sk" for stream-K; empty off the
+    cluster, " last" where only the last wave's tiles split, " sk" for stream-K, " pers" for the
+    persistent 2:4 kernel (a fifth field, which builds before session 61 lack); empty off the
     warpgroup kernels."""
-    rows, split, last_wave, stream_k = plan
+    rows, split, last_wave, stream_k = plan[:4]
+    persistent = len(plan) > 4 and plan[4]
     if rows == 0:
         return ""
     if stream_k:
         return f"{rows} sk"
-    return f"{rows}" + (f"/{split}" if split > 1 else "") + (" last" if last_wave else "")
+    return (f"{rows}" + (f"/{split}" if split > 1 else "") + (" pers" if persistent else "")
+            + (" last" if last_wave else ""))
 
 
 def path_text(path: str, tile: str = "", copy: bool = False) -> str:

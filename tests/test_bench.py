@@ -187,6 +187,9 @@ def test_tile_plan_text():
     assert tile_text((192, 2, False, False)) == "192/2"
     assert tile_text((160, 2, True, False)) == "160/2 last"
     assert tile_text((256, 1, False, True)) == "256 sk"
+    assert tile_text((256, 1, False, False, True)) == "256 pers"  # the persistent 2:4 kernel
+    assert tile_text((256, 2, True, False, True)) == "256/2 pers last"  # its whole waves, then the last split
+    assert tile_text((256, 1, False, False, False)) == "256"
     assert path_text("decode") == "decode"
     assert path_text("wgmma_sp", "256 sk", copy=True) == "wgmma_sp 256 sk (2:4 copy)"
 

@@ -210,7 +210,7 @@ for rows, k, nout in [(640, 11000, 4000), (640, 11264, 4000)]:
     for n, m in [(1, 4), (2, 8), (1, 8)]:
         for dtype_name in ["float16", "bfloat16"]:
             assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
-            assert kernels.last_tile_plan() == (256, 1, False, True), (rows, k, nout, n, m, kernels.last_tile_plan())
+            assert kernels.last_tile_plan()[:4] == (256, 1, False, True), (rows, k, nout, n, m, kernels.last_tile_plan())
 """
 
 
@@ -280,6 +280,35 @@ def test_regrouping_kernel_on_160_rows_with_offsets_by_tensor_copy(rng, n, m, dt
     assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert kernels.last_tile_plan()[:3] == plan
+
+
+# Calls of the persistent 2:4 kernel (wgmma_sp.cu, wgmma_sp_persistent_kernel: unsplit 256-row tiles,
+# more of them than SMs, of at most 128 steps, one block per SM walking tile after tile through one
+# ring and storing each tile by tensor copy), and one just past its bound. (rows, K, Nout, plan as
+# above, whether the launch was persistent.)
+PERSISTENT_CALLS = [
+    (4096, 4096, 4096, (256, 1, False), True),  # 512 tiles, about 4 a block
+    (3000, 2056, 4000, (256, 1, False), True),  # offset words by cp.async; 34 steps (a half box a tile);
+                                                # the last weight tile 32 columns, the last row tile overlapping
+    (3000, 4224, 4000, (256, 1, False), True),  # offset words by tensor copy, 66 steps (a half box a tile)
+    (2500, 4224, 4000, (256, 2, True), True),  # two waves' tiles persistent, then the last 56 split 2 ways
+    (1500, 2056, 9000, (256, 1, False), True),  # 6 activation tiles: raster groups of 4 and 2 (raster_tile_at)
+    (3000, 8192, 4000, (256, 1, False), True),  # 128 steps: kPersistentMostSteps
+    (3000, 8256, 4000, (256, 1, False), False),  # 130 steps: a block a tile (wgmma_sp_kernel)
+]
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows,k,nout,plan,persistent", PERSISTENT_CALLS)
+def test_persistent_two_of_four_kernel(rng, dtype_name, rows, k, nout, plan, persistent):
+    """The persistent 2:4 kernel against the float64 reference with poisoned outputs, alpha and bias:
+    blocks of several tiles whose boxes of offset words go round the slots across tiles (a tile's
+    last box half full), output tiles clipped at Nout, the last row tile overlapping the one before,
+    tiles in raster groups and in the plain order of a grid over part of them. On 132 SMs the launch
+    must have taken the plan named, persistent or not."""
+    assert_forced_path_matches_reference(rng, 2, 4, dtype_name, rows, k, nout, "wgmma_sp")
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert kernels.last_tile_plan() == (*plan, False, persistent)
 
 
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]

@@ -83,6 +83,7 @@ struct CudaTilePlan {
   int split = 1;
   bool last_wave_split = false;
   bool stream_k = false;
+  bool persistent = false;  // the persistent 2:4 kernel (wgmma_sp.cu)
 };
 CudaTilePlan& last_tile_plan();
 

@@ -28,6 +28,9 @@
 // 0.51-0.97x at 1024-4096 rows, so those bytes do not bind); 2 steps a half group in a ring of 4
 // stages for the 160-, 192- and 256-row tiles (session 52: 0.72-0.92x, the copies lose their lead);
 // 3 steps of MMAs in flight instead of 2 on those tiles (session 52: 0.77-1.03x).
+// Grids of more short tiles than SMs run persistent (wgmma_sp_persistent_kernel, session 61): a
+// block per SM walks tile after tile through one ring and stores each tile by tensor copy, so the
+// next tile's first copies and MMAs overlap this one's epilogue (1.01-1.18x at K = 4096-5120).
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
 // and valid_metadata() rewrites them to (0, 1).
@@ -85,10 +88,10 @@ struct SpLayout {
   static constexpr size_t kBytes = kBarriers + 2 * kStages * 8 + 1024;  // + slack to align the ring
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + kA);  // what the tensor copies bring per stage
   static constexpr uint32_t kBoxWordBytes = static_cast<uint32_t>(kBox * kMeta);  // + a box of offset words
-  // Where step t's box of offset words lies, in bytes from the ring's start, and where row r's
-  // words of step t lie in it, in words.
-  __host__ __device__ static constexpr uint32_t box_at(int t) {
-    return static_cast<uint32_t>(kWords + t / kBox % kSlots * kBox * kMeta);
+  // Where step t's box of offset words lies, in bytes from the ring's start (box_base: the boxes
+  // of a persistent block's earlier tiles), and where row r's words of step t lie in it, in words.
+  __host__ __device__ static constexpr uint32_t box_at(int t, int box_base = 0) {
+    return static_cast<uint32_t>(kWords + (box_base + t / kBox) % kSlots * kBox * kMeta);
   }
   __host__ __device__ static constexpr int word_in_box(int r, int t) { return (r * kBox + t % kBox) * kMetaWords; }
   // Where stage s's activation tile and 2:4 tile lie, in bytes from the ring's start, and how far
@@ -208,65 +211,45 @@ __device__ __forceinline__ uint32_t valid_metadata(uint32_t meta) {
 }
 
 
-// One block computes a [128 weight rows x kRows activation rows] tile. Warps 0-7 (two
-// warpgroups, 64 weight rows each) only multiply; warp 8 only copies: per step one thread issues
-// two tensor copies (TMA: the activation tile and the stored values, zero-filled past every edge)
-// and, per group of steps, one of the 128 rows' offset words (where offset_rows_aligned(p); else
-// the warp's 32 lanes copy them with cp.async per step); all of it completes on the stage's
-// "full" barrier. The copies run up to kStages steps ahead, bounded only by the
-// "empty" barriers the consumer warps arrive on when their MMAs are done with a stage: no block
-// barrier in the loop, and the two warpgroups run apart, so one issues MMAs while the other waits
-// for its own. (Until session 17 every thread issued 5 cp.async per step with 64-bit address
-// arithmetic -- about 85 instructions per step -- and both warpgroups met at a block barrier per
-// group of steps: BENCHMARKS.md.)
-// The consumer warpgroups' loop is consume(): a group's metadata words are read from shared memory
-// a half group at a time, into registers no MMA in flight reads.
-// kEarly: launched as a programmatic dependent (grids of one wave, sm90::launch_early_or_not);
-// the next kernel may start at once, and this one copies its first weight tiles before it waits
-// for the previous one (produce). At 17-64 rows that made back-to-back calls 1.03-1.17x faster
-// (BENCHMARKS.md, session 19); the time there goes to each block's copies, not to the bandwidth.
-template <typename T, int kRows, bool kEarly>
-__global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
-    wgmma_sp_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A 2:4 block's ring and barriers, and its copies and metadata reads for one tile (weight rows from
+// w0, activation rows `rows`, steps [begin, end)), shared by wgmma_sp_kernel (a tile a block) and
+// wgmma_sp_persistent_kernel (tile after tile through one ring). `box_base`: the boxes of offset
+// words the block's earlier tiles took (SpLayout::box_at), so that the slots go round as in one run.
+template <typename T, int kRows>
+struct TwoOfFourBlock {
   using L = SpLayout<kRows>;
-  constexpr int S = L::kStages, G = L::kGroup;
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
-  const uint32_t ring = sm90::smem_addr(smem);
-  auto stage_at = [&](int s) { return ring + static_cast<uint32_t>(s * L::kStage); };
-  auto full = [&](int s) { return ring + static_cast<uint32_t>(L::kBarriers) + s * 8; };
-  auto empty = [&](int s) { return full(S) + s * 8; };
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
-  const bool consumer = warp < kThreads / 32;
-  // A consumer thread's rows: g and g + 8 of its warp's 16, in the block's tile.
-  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
-  const sm90::BlockTile tile = sm90::block_tile<kRows>(p);
-  const int64_t w0 = tile.w0;
-  const sm90::RowTile rows = tile.rows;
-  int begin, end;  // this block's steps
-  sm90::split_steps<G>(p.groups * 4, begin, end);
-  const bool tensor_offsets = offset_rows_aligned(p);  // else the producer's lanes copy them
+  static constexpr int S = L::kStages;
+  uint8_t* smem;
+  uint32_t ring;
+  bool tensor_offsets;  // else the producer's lanes copy the offset words
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      // The expected bytes, then each lane's offset words where they go by cp.async.
-      sm90::mbarrier_init(full(s), 1 + (tensor_offsets ? 0 : kProducerThreads));
-      sm90::mbarrier_init(empty(s), kThreads / 32);  // every consumer warp
+  __device__ __forceinline__ TwoOfFourBlock(uint8_t* smem_raw, const PathParams<T>& p)
+      : smem(smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023)),  // swizzle atoms: 1024-aligned
+        ring(sm90::smem_addr(smem)),
+        tensor_offsets(offset_rows_aligned(p)) {}
+
+  __device__ __forceinline__ uint32_t stage_at(int s) const { return ring + static_cast<uint32_t>(s * L::kStage); }
+  __device__ __forceinline__ uint32_t full(int s) const { return ring + static_cast<uint32_t>(L::kBarriers) + s * 8; }
+  __device__ __forceinline__ uint32_t empty(int s) const { return full(S) + s * 8; }
+
+  // Thread 0 sets up the barriers, then the block meets.
+  __device__ __forceinline__ void init_barriers() const {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < S; ++s) {
+        // The expected bytes, then each lane's offset words where they go by cp.async.
+        sm90::mbarrier_init(full(s), 1 + (tensor_offsets ? 0 : kProducerThreads));
+        sm90::mbarrier_init(empty(s), kThreads / 32);  // every consumer warp
+      }
+      sm90::fence_barrier_init();
     }
-    sm90::fence_barrier_init();
+    __syncthreads();
   }
-  __syncthreads();
-  if constexpr (kEarly) allow_next_kernel();  // the next kernel's blocks may take idle SMs and copy their weights
 
-  float acc[kRows / 2];
-#pragma unroll
-  for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
-  sm90::fence_operands(acc);
-
-  if (!consumer) {
-    if (lane == 0) maps.prefetch(tensor_offsets);
+  // The producer warp's copies of the tile's steps, from ring slot `slot` on; returns the slot after.
+  template <bool kEarly>
+  __device__ __forceinline__ sm90::RingSlot<S> produce_tile(const PathParams<T>& p, const TileMaps& maps, int64_t w0,
+                                                            sm90::RowTile rows, int begin, int end, int lane,
+                                                            int box_base, sm90::RingSlot<S> slot = {}) const {
     constexpr int kMetaRows = kTileW / 32;  // weight rows whose offset words each lane copies
     const uint32_t* meta[kMetaRows];
     bool meta_ok[kMetaRows];
@@ -294,7 +277,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
       sm90::tma_load_2d(stage_at(s) + static_cast<uint32_t>(L::kX), &maps.values, t * kStored, static_cast<int>(w0),
                         full(s));
       if (box)
-        sm90::tma_load_2d(ring + L::box_at(t), &maps.offsets, t / L::kBox * L::kBox * kMetaWords * 2,
+        sm90::tma_load_2d(ring + L::box_at(t, box_base), &maps.offsets, t / L::kBox * L::kBox * kMetaWords * 2,
                           static_cast<int>(w0), full(s));
     };
     auto offsets = [&](int s, int t) {
@@ -303,31 +286,221 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
 #pragma unroll
       for (int j = 0; j < kMetaRows; ++j) {
         const bool ok = meta_ok[j] && in_row;
-        sm90::cp_async8(ring + L::box_at(t) + L::word_in_box(lane + 32 * j, t) * 4,
+        sm90::cp_async8(ring + L::box_at(t, box_base) + L::word_in_box(lane + 32 * j, t) * 4,
                         ok ? meta[j] + t * kMetaWords : p.indices, ok);
       }
       sm90::cp_async_arrive(full(s));
     };
     const uint32_t tensor_bytes = L::kTensorBytes - sm90::activation_shortfall<kRows>(p);
     auto bytes = [&](int) { return tensor_bytes; };
-    produce<S, kEarly>(begin, end, lane, bytes, full, empty, activations, values, offsets);
-  } else {
+    return produce<S, kEarly>(
+        begin, end, lane, bytes, [&](int s) { return full(s); }, [&](int s) { return empty(s); }, activations, values,
+        offsets, slot);
+  }
+
+  // A consumer warpgroup's MMAs over the tile's steps into acc (consume), from ring slot `group` on;
+  // returns the slot after. `row`: the thread's rows g and g + 8 of its warp's 16, in the block's tile.
+  __device__ __forceinline__ sm90::RingSlot<S> consume_tile(float (&acc)[kRows / 2], int begin, int end, int wg,
+                                                            int lane, int row, int box_base,
+                                                            sm90::RingSlot<S> group = {}) const {
     // Lane 4g supplies the offsets of K positions 0..15 of an MMA (the low halves of the two rows'
     // words), lane 4g + 1 those of 16..31 (the high halves); lanes 4g + 2, 4g + 3 are not read.
     const uint32_t halves = (lane & 1) ? 0x7632u : 0x5410u;
     auto read_step = [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase, int t) {
       // Steps are read in order, so the box of step t landed with an earlier (or this) stage.
       sm90::mbarrier_wait(full(group_stage + g), phase);
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::box_at(t));
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::box_at(t, box_base));
 #pragma unroll
       for (int k = 0; k < kMetaWords; ++k)
         m[k] = valid_metadata(__byte_perm(words[L::word_in_box(row, t) + k], words[L::word_in_box(row + 8, t) + k],
                                           halves));
     };
-    consume<L, kRows, kBf16>(acc, begin, end, ring, empty(0), wg, lane, read_step);
+    return consume<L, kRows, std::is_same_v<T, __nv_bfloat16>>(acc, begin, end, ring, empty(0), wg, lane, read_step,
+                                                                group);
+  }
+};
+
+// One block computes a [128 weight rows x kRows activation rows] tile. Warps 0-7 (two
+// warpgroups, 64 weight rows each) only multiply; warp 8 only copies: per step one thread issues
+// two tensor copies (TMA: the activation tile and the stored values, zero-filled past every edge)
+// and, per group of steps, one of the 128 rows' offset words (where offset_rows_aligned(p); else
+// the warp's 32 lanes copy them with cp.async per step); all of it completes on the stage's
+// "full" barrier. The copies run up to kStages steps ahead, bounded only by the
+// "empty" barriers the consumer warps arrive on when their MMAs are done with a stage: no block
+// barrier in the loop, and the two warpgroups run apart, so one issues MMAs while the other waits
+// for its own. (Until session 17 every thread issued 5 cp.async per step with 64-bit address
+// arithmetic -- about 85 instructions per step -- and both warpgroups met at a block barrier per
+// group of steps: BENCHMARKS.md.)
+// The consumer warpgroups' loop is consume(): a group's metadata words are read from shared memory
+// a half group at a time, into registers no MMA in flight reads.
+// kEarly: launched as a programmatic dependent (grids of one wave, sm90::launch_early_or_not);
+// the next kernel may start at once, and this one copies its first weight tiles before it waits
+// for the previous one (produce). At 17-64 rows that made back-to-back calls 1.03-1.17x faster
+// (BENCHMARKS.md, session 19); the time there goes to each block's copies, not to the bandwidth.
+template <typename T, int kRows, bool kEarly>
+__global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
+    wgmma_sp_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  const TwoOfFourBlock<T, kRows> block(smem_raw, p);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const bool consumer = warp < kThreads / 32;
+  // A consumer thread's rows: g and g + 8 of its warp's 16, in the block's tile.
+  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+  const sm90::BlockTile tile = sm90::block_tile<kRows>(p);
+  int begin, end;  // this block's steps
+  sm90::split_steps<SpLayout<kRows>::kGroup>(p.groups * 4, begin, end);
+  block.init_barriers();
+  if constexpr (kEarly) allow_next_kernel();  // the next kernel's blocks may take idle SMs and copy their weights
+
+  float acc[kRows / 2];
+#pragma unroll
+  for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
+  sm90::fence_operands(acc);
+
+  if (!consumer) {
+    if (lane == 0) maps.prefetch(block.tensor_offsets);
+    block.template produce_tile<kEarly>(p, maps, tile.w0, tile.rows, begin, end, lane, 0);
+  } else {
+    block.consume_tile(acc, begin, end, wg, lane, row, 0);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, row, lane & 3);
+  sm90::finish_tile<T, kRows>(p, acc, block.smem, consumer, tile.w0, tile.rows, row, lane & 3);
+#else
+  __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
+#endif
+}
+
+// The persistent kernel's epilogue scratch: per consumer warpgroup one box of the output tile,
+// [kStoreRows activation rows x 64 weight rows] of 16-bit outputs in 128-byte rows (128-byte
+// swizzle, as the output's tensor map lays a box out), after the ring and its barriers.
+constexpr int kStoreRows = 128;
+template <int kRows>
+struct PersistentLayout {
+  using L = SpLayout<kRows>;
+  static constexpr size_t kBoxBytes = kStoreRows * 128;
+  static constexpr size_t kScratch = (L::kBarriers + 2 * L::kStages * 8 + 1023) / 1024 * 1024;
+  static constexpr size_t kBytes = kScratch + 2 * kBoxBytes + 1024;  // + slack to align the ring
+  static_assert(kRows % kStoreRows == 0, "whole boxes a tile");
+  static_assert(kBytes <= 227 * 1024, "shared memory per block");
+};
+
+// A consumer warpgroup's part of the persistent kernel's tile, its 64 weight rows from w0 + 64 wg
+// by the kRows activation rows from r0, to the output: alpha and bias applied in registers, rounded
+// to T and written by stmatrix into `box` (PersistentLayout) kStoreRows rows at a time, each box
+// then stored by one tensor copy (the map `out` clips rows and columns past the output's). The
+// warpgroup's first thread waits until its previous copy has read the box (possibly the previous
+// tile's last) before anyone writes it again; the copies themselves drain while the next tile's
+// MMAs run. Accumulator i*4 + h*2 + e of lane l holds weight row 16 warp + l / 4 + 8h, activation
+// row 8i + 2 (l % 4) + e: matrix (i, h) of an MMA fragment, which stmatrix stores transposed. A last
+// row tile that overlaps the one before (sm90::RowTile) writes the shared rows again, which a
+// tensor copy cannot skip: the same products summed in the same order as that tile's.
+template <typename T, int kRows>
+__device__ __forceinline__ void store_tile_by_tma(const PathParams<T>& p, const float (&acc)[kRows / 2],
+                                                  const CUtensorMap* out, uint32_t box, int64_t w0, int64_t r0,
+                                                  int wg, int warp, int lane) {
+  const bool leader = warp == 0 && lane == 0;
+  const int64_t w = w0 + wg * 64 + warp * 16 + (lane >> 2);
+  const float bias0 = p.bias != nullptr && w < p.nout ? to_f32(p.bias[w]) : 0.f;
+  const float bias1 = p.bias != nullptr && w + 8 < p.nout ? to_f32(p.bias[w + 8]) : 0.f;
+  // Lane 8m + j gives row j of matrix m of a store: activation row 8 (m / 2) + j of the store's 16,
+  // weight rows 8 (m % 2) on of the warp's 16 (16-byte chunk 2 warp + m % 2 of the 128-byte row,
+  // swizzled by the row: j).
+  const int m = lane >> 3, j = lane & 7;
+  const uint32_t at = box + static_cast<uint32_t>((8 * (m >> 1) + j) * 128 + (((2 * warp + (m & 1)) ^ j) << 4));
+  const float alpha = p.alpha;
+#pragma unroll
+  for (int c = 0; c < kRows / kStoreRows; ++c) {
+    if (leader) sm90::bulk_wait_read();
+    sm90::named_barrier_sync(2 + wg, 128);
+#pragma unroll
+    for (int i = 0; i < kStoreRows / 8; i += 2) {
+      const float* a = acc + (c * kStoreRows / 8 + i) * 4;
+      sm90::stmatrix_x4_trans(at + i * 8 * 128, sm90::pack2<T>(alpha * a[0] + bias0, alpha * a[1] + bias0),
+                              sm90::pack2<T>(alpha * a[2] + bias1, alpha * a[3] + bias1),
+                              sm90::pack2<T>(alpha * a[4] + bias0, alpha * a[5] + bias0),
+                              sm90::pack2<T>(alpha * a[6] + bias1, alpha * a[7] + bias1));
+    }
+    sm90::fence_async_proxy();  // the generic proxy's writes, before the tensor copy reads them
+    sm90::named_barrier_sync(2 + wg, 128);
+    if (leader) {
+      sm90::tma_store_2d(out, box, static_cast<int>(w0 + wg * 64), static_cast<int>(r0 + c * kStoreRows));
+      sm90::bulk_commit();
+    }
+  }
+}
+
+// Tile t of a persistent grid over all of a call's tiles where the weight has more tiles than half
+// the grid's blocks: in groups of kRasterRowTiles activation tiles, the group's activation
+// tile fastest, so that the tiles running at once (one a block, in order) share 4 activation tiles
+// and read each weight tile in reach 4 times. In the plain order (weight tile fastest, as
+// wgmma_sp_kernel's grids run) they would share one or two activation tiles and read each weight
+// tile once: a weight larger than L2 then comes from memory once an activation tile. Session 61
+// (H200, in one process against the plain order): on 4096 x 11008 and 4096 x 14336 1.04-1.11x at
+// 640-1024 rows (2:4), 0.99-1.06x at 2048-4096 (2:4, and 2:8 and 1:4 on their staged copies); but
+// on N = 4096 (32 weight tiles, whose plain order already shares 4 activation tiles) 0.95-0.98x for
+// 2:4, hence the bound. A grid over part of the
+// tiles (p.first_tile, p.tile_count: the whole waves before a split last one) keeps the plain
+// order, which the other launch's tiles follow.
+constexpr int kRasterRowTiles = 4;
+template <int kRows, typename T>
+__device__ __forceinline__ sm90::BlockTile raster_tile_at(const PathParams<T>& p, int64_t t) {
+  const int64_t weight_tiles = (p.nout + kTileW - 1) / kTileW, row_tiles = (p.rows + kRows - 1) / kRows;
+  if (p.first_tile != 0 || p.tile_count != weight_tiles * row_tiles || weight_tiles * 2 <= gridDim.x)
+    return sm90::tile_at<kRows>(p, t);
+  const int64_t group = t / (kRasterRowTiles * weight_tiles), in_group = t % (kRasterRowTiles * weight_tiles);
+  const int64_t group_rows = min(int64_t{kRasterRowTiles}, row_tiles - group * kRasterRowTiles);
+  const int64_t row_tile = group * kRasterRowTiles + in_group % group_rows;
+  return sm90::tile_at<kRows>(p, row_tile * weight_tiles + in_group / group_rows);
+}
+
+// wgmma_sp_kernel's tiles, tile after tile on one block per SM: tiles blockIdx.x, + gridDim.x, ...
+// of the p.tile_count from p.first_tile, unsplit. The producer warp goes on to the next tile's
+// copies as soon as the consumers release the stages of the last, so the next tile's first steps
+// land while the consumers store this one, and they store it by tensor copy (store_tile_by_tma),
+// which drains while the next tile's MMAs run. A block of wgmma_sp_kernel instead waits for its
+// first steps after the block before it on its SM has written its whole tile (on the H100 at
+// 4096^3, per-block clock stamps: first step 1.8 us, main loop 31 us, epilogue about 4.3 us;
+// BENCHMARKS.md, session 42). Taken by grids of more tiles than SMs (persistent_grid).
+template <typename T, int kRows>
+__global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
+    wgmma_sp_persistent_kernel(PathParams<T> p, const __grid_constant__ TileMaps maps,
+                               const __grid_constant__ CUtensorMap out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = SpLayout<kRows>;
+  extern __shared__ uint8_t smem_raw[];
+  const TwoOfFourBlock<T, kRows> block(smem_raw, p);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  int begin, end;  // every step of a tile: the grid does not split K
+  sm90::split_steps<L::kGroup>(p.groups * 4, begin, end);
+  const int boxes = (end + L::kBox - 1) / L::kBox;  // box slots a tile's offset words take
+  block.init_barriers();
+  const int64_t first = p.first_tile + blockIdx.x, last = p.first_tile + p.tile_count;
+  if (warp >= kThreads / 32) {
+    if (lane == 0) maps.prefetch(block.tensor_offsets);
+    sm90::RingSlot<L::kStages> slot{};
+    int box_base = 0;
+    for (int64_t t = first; t < last; t += gridDim.x, box_base += boxes) {
+      const sm90::BlockTile tile = raster_tile_at<kRows>(p, t);
+      slot = block.template produce_tile<false>(p, maps, tile.w0, tile.rows, begin, end, lane, box_base, slot);
+    }
+    return;
+  }
+  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+  const uint32_t box = block.ring + static_cast<uint32_t>(PersistentLayout<kRows>::kScratch +
+                                                          wg * PersistentLayout<kRows>::kBoxBytes);
+  sm90::RingSlot<L::kStages> group{};
+  int box_base = 0;
+  for (int64_t t = first; t < last; t += gridDim.x, box_base += boxes) {
+    float acc[kRows / 2];
+#pragma unroll
+    for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
+    sm90::fence_operands(acc);
+    group = block.consume_tile(acc, begin, end, wg, lane, row, box_base, group);
+    const sm90::BlockTile tile = raster_tile_at<kRows>(p, t);
+    store_tile_by_tma<T, kRows>(p, acc, &out, box, tile.w0, tile.rows.from, wg, warp & 3, lane);
+  }
+  if ((threadIdx.x & 127) == 0) sm90::bulk_wait();  // the last tile's copies out before the block ends
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -788,6 +961,42 @@ constexpr auto with_sp_family = [](int n, int m, auto&& fn) {
   return sm90::with_family_of<family_code(2, 4), family_code(1, 4), family_code(2, 8), family_code(1, 8)>(n, m, fn);
 };
 
+// The activation-tile width of the persistent 2:4 kernel, and whether it takes an unsplit grid of
+// `tiles` such tiles of `steps` steps: more tiles than SMs (else a block takes one tile anyway),
+// tiles of at most kPersistentMostSteps steps, and one output tensor that a tensor map can cover
+// (rows a multiple of 16 bytes, 16-byte aligned), with no residual to add (its epilogue stores by
+// tensor copy and reads nothing). Session 61 (H200, in one process against wgmma_sp_kernel, 2:4):
+// 1.01-1.18x at K = 4096 and 5120 (64 and 80 steps) on the LLaMA and nmSPARSE shapes at 640-4096
+// rows; on 8192 x 8192 (128 steps) 1.04x at 4096 rows, 0.99x at 1024; at K = 11008-20480 (172-320
+// steps) 0.94-1.07x over three runs, at or under 1.00x on most 4096-row points: the fill and the
+// epilogue it hides are a smaller share of long tiles, and its fixed order of tiles loses to the
+// hardware's, which hands the next tile to whichever SM is free.
+constexpr int kPersistentRows = 256;
+constexpr int64_t kPersistentMostSteps = 128;
+template <typename T>
+bool persistent_grid(const PathParams<T>& p, int64_t tiles, int64_t steps) {
+  return tiles > multiprocessor_count() && steps <= kPersistentMostSteps && p.residual == nullptr &&
+         p.y.count == 1 && p.nout % 8 == 0 && reinterpret_cast<uintptr_t>(p.y.base[0]) % 16 == 0;
+}
+
+// The persistent kernel on min(tiles, SMs) blocks; cudaErrorNotSupported where the driver refuses
+// the output's tensor map (the caller then launches a block a tile).
+template <typename T, int kRows>
+cudaError_t launch_persistent(const PathParams<T>& p, const TileMaps& maps, cudaStream_t stream) {
+  CUtensorMap out{};
+  if (!tile_map(&out, p.y.base[0], p.nout, p.rows, p.nout, 64, kStoreRows, CU_TENSOR_MAP_SWIZZLE_128B))
+    return cudaErrorNotSupported;
+  constexpr auto kKernel = wgmma_sp_persistent_kernel<T, kRows>;
+  constexpr int kSmem = static_cast<int>(PersistentLayout<kRows>::kBytes);
+  if (cudaError_t e = allow_dynamic_smem<kKernel>(kSmem); e != cudaSuccess) return e;
+  PathParams<T> q = p;
+  q.tile_count = sm90::launched_tiles(p, kRows);
+  const int64_t blocks = std::min<int64_t>(q.tile_count, multiprocessor_count());
+  kKernel<<<static_cast<unsigned>(blocks), kThreads + kProducerThreads, kSmem, stream>>>(q, maps, out);
+  last_tile_plan().persistent = true;
+  return cudaGetLastError();
+}
+
 template <typename T, int kRows>
 cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int splits) {
   TileMaps maps{};
@@ -796,6 +1005,10 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B) ||
       !offsets_map(&maps.offsets, p, SpLayout<kRows>::kBox * kMetaWords))
     return cudaErrorInvalidValue;
+  if constexpr (kRows == kPersistentRows)
+    if (splits == 1 && p.stream_k_blocks == 0 &&
+        persistent_grid(p, sm90::launched_tiles(p, kRows), sm90::k_steps(p.groups, 4)))
+      if (cudaError_t e = launch_persistent<T, kRows>(p, maps, stream); e != cudaErrorNotSupported) return e;
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
     return sm90::launch_tiles<wgmma_sp_kernel<T, kRows, early()>, kRows, SpLayout<kRows>::kBytes,
                               kThreads + kProducerThreads>(p, stream, splits, early(), maps);

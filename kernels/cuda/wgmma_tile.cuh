@@ -406,25 +406,27 @@ __device__ __forceinline__ void st_global_vec(void* at, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// 2 outputs rounded to a 16-bit T, the first in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  uint32_t bits;
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(a, b);
+    memcpy(&bits, &h, 4);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    memcpy(&bits, &h, 4);
+  }
+  return bits;
+}
+
 // 4 outputs rounded to T, as one 8-byte (16-bit T) or 16-byte (fp32) vector.
 template <typename T>
 __device__ __forceinline__ std::conditional_t<sizeof(T) == 4, uint4, uint2> pack4(const float (&v)[4]) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float>)
     return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
-  } else {
-    auto pair = [](float a, float b) {
-      uint32_t bits;
-      if constexpr (std::is_same_v<T, __half>) {
-        const __half2 h = __floats2half2_rn(a, b);
-        memcpy(&bits, &h, 4);
-      } else {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-        memcpy(&bits, &h, 4);
-      }
-      return bits;
-    };
-    return make_uint2(pair(v[0], v[1]), pair(v[2], v[3]));
-  }
+  else
+    return make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
 }
 
 // finish_tile's reads of 4 fp32 partial sums: from this block's shared memory, or from that of
