@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(kThreads + kExpandThreads<kRows> + kProducerTh
     sm90::fence_operands(acc);
   }
   if constexpr (kEarly) wait_for_previous_kernel();  // before any write (and the residual's read); long passed
-  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
+  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, sm90::consumer_row(warp, lane), lane & 3);
 #else
   __trap();  // built for sm_90a only; the dispatch never launches it elsewhere
 #endif
@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
 
   float acc[kRows / 2];
   // Each warpgroup's warps meet before it moves its register limit again (named barriers 2-4).
-  auto warpgroup_barrier = [&] { asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory"); };
+  auto warpgroup_barrier = [&] { sm90::named_barrier_sync<128>(2 + wg); };
 
   if (!consumer) {
     sm90::setmaxnreg_dec<kProducerRegisters>();
@@ -500,7 +500,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
     for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
     sm90::fence_operands(acc);
     const Gather<kN, kM> gather(lane);
-    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+    const int r0 = sm90::consumer_row(warp, lane);
     uint32_t a0[kBK / 16][4], a1[kBK / 16][4];  // two steps' fragments: the MMAs read one while the next is built
     sm90::RingSlot<S> stage;
     int last = 0;
@@ -539,7 +539,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
     sm90::setmaxnreg_dec<kLaunchRegisters>();
   }
   if constexpr (kEarly) wait_for_previous_kernel();
-  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3);
+  sm90::finish_tile<T, kRows>(p, acc, smem, consumer, w0, rows, sm90::consumer_row(warp, lane), lane & 3);
 #else
   __trap();
 #endif

@@ -79,9 +79,10 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 // ... or have written global memory too.
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Named barrier `id` (1-15; 0 is __syncthreads') for `threads` threads, whole warps.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+// Named barrier `id` (1-15; 0 is __syncthreads') for kCount threads, whole warps.
+template <int kCount>
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kCount) : "memory");
 }
 // Four 8x8 matrices of 16-bit elements from an MMA accumulator's fragment layout (lane l holds row
 // l / 4, columns 2 (l % 4) and + 1 of each, in r0..r3), stored transposed: row j of matrix m (its

@@ -345,8 +345,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   const TwoOfFourBlock<T, kRows> block(smem_raw, p);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
-  // A consumer thread's rows: g and g + 8 of its warp's 16, in the block's tile.
-  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+  const int row = sm90::consumer_row(warp, lane);
   const sm90::BlockTile tile = sm90::block_tile<kRows>(p);
   int begin, end;  // this block's steps
   sm90::split_steps<SpLayout<kRows>::kGroup>(p.groups * 4, begin, end);
@@ -412,7 +411,7 @@ __device__ __forceinline__ void store_tile_by_tma(const PathParams<T>& p, const 
 #pragma unroll
   for (int c = 0; c < kRows / kStoreRows; ++c) {
     if (leader) sm90::bulk_wait_read();
-    sm90::named_barrier_sync(2 + wg, 128);
+    sm90::named_barrier_sync<128>(2 + wg);
 #pragma unroll
     for (int i = 0; i < kStoreRows / 8; i += 2) {
       const float* a = acc + (c * kStoreRows / 8 + i) * 4;
@@ -422,7 +421,7 @@ __device__ __forceinline__ void store_tile_by_tma(const PathParams<T>& p, const 
                               sm90::pack2<T>(alpha * a[6] + bias1, alpha * a[7] + bias1));
     }
     sm90::fence_async_proxy();  // the generic proxy's writes, before the tensor copy reads them
-    sm90::named_barrier_sync(2 + wg, 128);
+    sm90::named_barrier_sync<128>(2 + wg);
     if (leader) {
       sm90::tma_store_2d(out, box, static_cast<int>(w0 + wg * 64), static_cast<int>(r0 + c * kStoreRows));
       sm90::bulk_commit();
@@ -486,7 +485,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     }
     return;
   }
-  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+  const int row = sm90::consumer_row(warp, lane);
   const uint32_t box = block.ring + static_cast<uint32_t>(PersistentLayout<kRows>::kScratch +
                                                           wg * PersistentLayout<kRows>::kBoxBytes);
   sm90::RingSlot<L::kStages> group{};
@@ -841,7 +840,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows, kSlots> 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kRegrouping) / 32;
-  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2);  // a consumer thread's first weight row
+  const int row = sm90::consumer_row(warp, lane);
   const bool tensor_offsets = L::kTensorOffsets && offset_rows_aligned(p);  // else the producer's lanes copy them
 
   if (threadIdx.x == 0) {
@@ -979,10 +978,11 @@ bool persistent_grid(const PathParams<T>& p, int64_t tiles, int64_t steps) {
          p.y.count == 1 && p.nout % 8 == 0 && reinterpret_cast<uintptr_t>(p.y.base[0]) % 16 == 0;
 }
 
-// The persistent kernel on min(tiles, SMs) blocks; cudaErrorNotSupported where the driver refuses
-// the output's tensor map (the caller then launches a block a tile).
+// The persistent kernel on min(tiles, SMs) blocks (`tiles`: the launch's, sm90::launched_tiles);
+// cudaErrorNotSupported where the driver refuses the output's tensor map (the caller then launches
+// a block a tile).
 template <typename T, int kRows>
-cudaError_t launch_persistent(const PathParams<T>& p, const TileMaps& maps, cudaStream_t stream) {
+cudaError_t launch_persistent(const PathParams<T>& p, const TileMaps& maps, int64_t tiles, cudaStream_t stream) {
   CUtensorMap out{};
   if (!tile_map(&out, p.y.base[0], p.nout, p.rows, p.nout, 64, kStoreRows, CU_TENSOR_MAP_SWIZZLE_128B))
     return cudaErrorNotSupported;
@@ -990,25 +990,27 @@ cudaError_t launch_persistent(const PathParams<T>& p, const TileMaps& maps, cuda
   constexpr int kSmem = static_cast<int>(PersistentLayout<kRows>::kBytes);
   if (cudaError_t e = allow_dynamic_smem<kKernel>(kSmem); e != cudaSuccess) return e;
   PathParams<T> q = p;
-  q.tile_count = sm90::launched_tiles(p, kRows);
-  const int64_t blocks = std::min<int64_t>(q.tile_count, multiprocessor_count());
+  q.tile_count = tiles;
+  const int64_t blocks = std::min<int64_t>(tiles, multiprocessor_count());
   kKernel<<<static_cast<unsigned>(blocks), kThreads + kProducerThreads, kSmem, stream>>>(q, maps, out);
   last_tile_plan().persistent = true;
   return cudaGetLastError();
 }
 
+// `steps`: the call's K steps (sm90::k_steps), as run_wgmma_sp has them.
 template <typename T, int kRows>
-cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int splits) {
+cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int splits, int64_t steps) {
   TileMaps maps{};
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, sm90::activation_box_rows<kRows>(p.rows),
                 CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B) ||
       !offsets_map(&maps.offsets, p, SpLayout<kRows>::kBox * kMetaWords))
     return cudaErrorInvalidValue;
-  if constexpr (kRows == kPersistentRows)
-    if (splits == 1 && p.stream_k_blocks == 0 &&
-        persistent_grid(p, sm90::launched_tiles(p, kRows), sm90::k_steps(p.groups, 4)))
-      if (cudaError_t e = launch_persistent<T, kRows>(p, maps, stream); e != cudaErrorNotSupported) return e;
+  if constexpr (kRows == kPersistentRows) {
+    const int64_t tiles = sm90::launched_tiles(p, kRows);
+    if (splits == 1 && p.stream_k_blocks == 0 && persistent_grid(p, tiles, steps))
+      if (cudaError_t e = launch_persistent<T, kRows>(p, maps, tiles, stream); e != cudaErrorNotSupported) return e;
+  }
   return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
     return sm90::launch_tiles<wgmma_sp_kernel<T, kRows, early()>, kRows, SpLayout<kRows>::kBytes,
                               kThreads + kProducerThreads>(p, stream, splits, early(), maps);
@@ -1050,10 +1052,10 @@ cudaError_t launch_regrouped_as(const PathParams<T>& p, cudaStream_t stream, int
 template <int kN>
 constexpr bool kSlotsAlways = kN == 1;
 constexpr int64_t kSlotsFromSteps = 16;
+// `steps`: the call's K steps (sm90::k_steps), as run_wgmma_sp has them.
 template <typename T, int kN, int kM, int kRows, int kPerSm = 1>
-cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits) {
+cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int splits, int64_t steps) {
   if constexpr (kRows == 160 && kPerSm == 1) {
-    const int64_t steps = sm90::k_steps(p.groups, kM);
     const bool long_blocks = (steps + splits - 1) / splits >= kSlotsFromSteps;
     const bool slots = long_blocks && (kN == 1 || offset_rows_aligned(p));
     return slots ? launch_regrouped_as<T, kN, kM, kRows, kPerSm, true>(p, stream, splits)
@@ -1119,12 +1121,12 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
     const int64_t steps = sm90::k_steps(p.groups, kM());
     if constexpr (kN() != 2 || kM() != 4)
       if (const int split = two_per_sm_split<T, kN(), kM()>(p, steps); split > 0)
-        return launch_regrouped<T, kN(), kM(), kTwoPerSmRows, 2>(p, stream, split);
+        return launch_regrouped<T, kN(), kM(), kTwoPerSmRows, 2>(p, stream, split, steps);
     const auto launch = [&](auto rows, int splits, const PathParams<T>& tiles) {
       if constexpr (kN() == 2 && kM() == 4)
-        return launch_two_of_four<T, rows()>(tiles, stream, splits);
+        return launch_two_of_four<T, rows()>(tiles, stream, splits, steps);
       else
-        return launch_regrouped<T, kN(), kM(), rows()>(tiles, stream, splits);
+        return launch_regrouped<T, kN(), kM(), rows()>(tiles, stream, splits, steps);
     };
     constexpr sm90::SplitRule splits = kN() == 2 && kM() == 4 ? sm90::kTwoOfFourSplits : kRegroupSplits;
     return sm90::launch_split<256, 192, 160, 128, 64>(p, steps, sm90::kSparseTiles, splits, launch);

@@ -195,10 +195,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_tf32_kernel(PathParams<floa
   constexpr int S = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms: 1024-aligned
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const sm90::BlockTile tile = sm90::block_tile<kRows, false>(p);  // ActivationLoader zero-fills past the rows
   const int64_t w0 = tile.w0, r0 = tile.rows.from;
-  const int row = wg * 64 + (warp & 3) * 16 + (lane >> 2), q = lane & 3;  // this thread's A rows: row, row + 8
+  const int row = sm90::consumer_row(warp, lane), q = lane & 3;  // this thread's A rows: row, row + 8
   int begin, end;  // this block's steps
   sm90::split_steps<1, kStep>(p.groups * kM, begin, end);
   const int steps = end - begin;

@@ -31,6 +31,11 @@ constexpr int kWarpgroups = 2;
 constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kTileW = 64 * kWarpgroups;     // weight rows (output features) per block
 static_assert(kTileW == kWgmmaWeightTile, "the dispatch sizes the grid with kWgmmaWeightTile");
+// A consumer thread's first weight row in the block's tile (`warp` of the block): row g of its
+// warp's 16 in its warpgroup's 64, g = lane / 4, as a 64-row MMA fragment holds them (and g + 8).
+__device__ __forceinline__ int consumer_row(int warp, int lane) {
+  return (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
+}
 
 // Copies a step's activation tile ([kRows x kStepOf<T>] K-major, 128-byte swizzle) to the start of
 // its stage. Every thread copies the same chunks of every step (fixed rows and columns of the tile),
