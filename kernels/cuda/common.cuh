@@ -53,6 +53,16 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
   return d;
 }
 
+// 2:4 sparse tensor-core metadata (eight groups of two 2-bit offsets, the format's offset word as
+// it is): groups whose offsets read (0, 0) -- padding past the stored entries, rows past the end --
+// become (0, 1), which the hardware accepts; every group of the format proper has a second offset
+// >= 1 and stays as it is.
+__device__ __forceinline__ uint32_t valid_metadata(uint32_t meta) {
+  uint32_t any = meta | (meta >> 1);
+  any |= any >> 2;                                   // bit 0 of each nibble: the nibble is nonzero
+  return meta | ((~any & 0x11111111u) << 2);
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without it):
 // wait until the previous kernel in the stream has finished and its writes are visible ...
 __device__ __forceinline__ void wait_for_previous_kernel() {

@@ -26,17 +26,27 @@
 //    word, a word's two ORed), with the leaner loop, 1.16-1.59x at 2-16 rows (4:8), 1.23-1.43x at
 //    2-8 rows (4:16; 1.10-1.15x of it from the leaner loop), and 1.10-1.18x at 9-16 rows (4:16,
 //    the 16-lane table).
-//  * Each warp owns 16 output columns and a share of K: a block's 8 warps split a column tile's K
-//    steps and sum their partial tiles through shared memory. The block walks column tiles
-//    blockIdx.x, + gridDim.x, ... (one block per SM) and stages the activations once: each warp
-//    copies those of its own steps with the first tile's weight steps, so its first step waits
-//    for one step of activations, not for all of them (session 38: 1.05-1.55x on 1-16 rows).
+//  * 2:4 builds nothing: its stored values and offset words are the operands of the 2:4 sparse
+//    mma.sync (m16n8k32) as they are. A step is two such MMAs; ldmatrix.x4 reads an MMA's values
+//    from the stage, and each metadata word is one PRMT of two columns' offset words (session 62,
+//    H200: 1.06-1.47x the fragment-building kernel at 1-8 rows, with the two changes below). Its
+//    warps take interleaved steps (below: 1.02-1.16x), and at 1-8 rows its ring is 8 steps deep
+//    (1.06-1.23x the 4-step ring on 4096 x 1024 and 4096 x 4096, level on wider and longer
+//    weights; 0.84-1.00x at 16 rows, which keep 4).
+//  * Each warp owns 16 output columns and a share of K: a block's 8 warps split a column tile's
+//    K steps (each a run of consecutive steps; for 2:4, every 8th step, so that the block reads
+//    neighbouring steps of a column together) and sum their partial tiles through shared memory.
+//    The block walks column tiles blockIdx.x, + gridDim.x, ... (one block per SM) and stages the
+//    activations once: each warp copies those of its own steps with the first tile's weight
+//    steps, so its first step waits for one step of activations, not for all of them (session
+//    38: 1.05-1.55x on 1-16 rows).
 //  * Where the activations of all of K do not fit one block's shared memory (K past 4480-4928 at
-//    9-16 rows, 8576-10560 at 1-8, by family), K is split over a cluster of 2-8 blocks (the fewest
-//    that fit): each stages and walks its slice of the steps for the same column tiles, and the
-//    blocks' sums meet through distributed shared memory in batches of up to 8 tiles, with no
-//    workspace and no second kernel. That lifts the limit to K = 34816-38912 at 9-16 rows,
-//    68608-83968 at 1-8.
+//    9-16 rows, 8576-10560 at 1-8, by family, 7616 for 2:4), K is split over a cluster of 2-8
+//    blocks (the fewest that fit): each stages and walks its slice of the steps for the same
+//    column tiles, and the blocks' sums meet through distributed shared memory in batches of up
+//    to 8 tiles, with no workspace and no second kernel. That lifts the limit to K = 34816-38912
+//    at 9-16 rows, 68608-83968 at 1-8 (2:4's deeper ring: one block to K = 7616, 8 blocks to
+//    60416).
 //  * A step is 32 stored entries of each of the warp's 16 columns (the row padding unit of the
 //    format, so no step runs past a row). Its values and offset words go global -> shared with
 //    cp.async into a ring of kDepth steps per warp, from per-lane sources moved along each step; the
@@ -69,7 +79,6 @@ constexpr int kWarps = 8;  // one block per SM
 constexpr int kThreads = kWarps * 32;
 constexpr int kColumns = 16;       // output columns per warp: the MMA's M side
 constexpr int kStepEntries = 32;   // stored entries of a column per step
-constexpr int kDepth = 4;          // steps per warp in flight (the cp.async ring)
 // A stage: each column's 64 bytes of values in a 80-byte row (so the 8 columns one LDS.128 reads
 // fall in different banks), then each column's offset words in a 16-byte row.
 constexpr int kValueRowWords = 20;
@@ -102,6 +111,9 @@ struct Family {
   static constexpr int kApart = 8 / kM;
   static constexpr int kKeyBits = kN == 1 ? (kApart + 1) * kFieldBits : kN == 2 ? kFieldBits : 2 * kBits;
   static constexpr int kKeys = 1 << kKeyBits;
+  // 2:4 itself: the stored values and offset words are the operands of the sparse mma.sync as they
+  // are (ldmatrix, one PRMT a word), with no table and no fragment to build.
+  static constexpr bool kSparseCores = kN == 2 && kM == 4;
   static_assert(((kN == 1 || kN == 2) && (kM == 4 || kM == 8)) || (kN == 4 && (kM == 8 || kM == 16)),
                 "groups of 4 or 8 with one or two entries, or of 8 or 16 with four");
 };
@@ -185,7 +197,10 @@ template <int R, int kN, int kM>
 struct Layout {
   static constexpr int kTableLanes = table_lanes(R, kN, kM), kKeyShift = kTableLanes == 32 ? 7 : 6;
   using F = Family<kN, kM>;
-  static constexpr int kTableBytes = static_cast<int>(sizeof(SelectorTable<kN, kM, kTableLanes>));
+  static constexpr int kTableBytes =
+      F::kSparseCores ? 0 : static_cast<int>(sizeof(SelectorTable<kN, kM, kTableLanes>));
+  // Steps per warp in flight (the cp.async ring).
+  static constexpr int kDepth = F::kSparseCores && R == 8 ? 8 : 4;
   static constexpr int kRingBytes = kWarps * kDepth * kStageBytes;
   static constexpr int kPartialBytes = 2 * kWarps * R * kPartialStride * 4;
   static constexpr int kRingOffset = kTableBytes;
@@ -314,6 +329,7 @@ template <typename T, int R, int kN, int kM, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p) {
   using L = Layout<R, kN, kM>;
   using F = typename L::F;
+  constexpr int kDepth = L::kDepth;
   constexpr int kRowTiles = R / 8;  // n8 MMA tiles of activation rows
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float norm_sumsq[R];
@@ -328,7 +344,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   const int slice_first = rank * steps / splits, slice_steps = (rank + 1) * steps / splits - slice_first;
   const int staged = slice_steps * F::kPositions, stride = staged + 8;
   const int tiles = static_cast<int>((p.nout + kColumns - 1) / kColumns);
-  const int first = slice_first + warp * slice_steps / kWarps, last = slice_first + (warp + 1) * slice_steps / kWarps;
+  // Warp w takes a run of consecutive steps, or for 2:4 the slice's steps w, w + 8, ..., so that
+  // the block's warps read neighbouring steps of the same columns at once (session 62: 1.02-1.13x
+  // at 1-8 rows on 4096 x 1024 to 4096 x 14336; for the families that build fragments 0.98-1.06x,
+  // left as they were).
+  constexpr bool kInterleave = F::kSparseCores;
+  constexpr int kStepStride = kInterleave ? kWarps : 1;
+  const int first = kInterleave ? slice_first + warp : slice_first + warp * slice_steps / kWarps;
+  const int last = kInterleave ? slice_first + slice_steps : slice_first + (warp + 1) * slice_steps / kWarps;
 
   // The lane's copies of a step: value chunk c (16 bytes) of column lane / 4 + 8c, part lane % 4,
   // and offset word i = lane + 32c of the tile's 16 x kBits (16 x 2 fit one per lane; 16 x 3 take
@@ -362,13 +385,13 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     }
   };
   auto advance = [&](Step& s) {
-    if (++s.step >= last) {
+    if ((s.step += kStepStride) >= last) {
       at_tile(s, s.tile + gridDim.x);
     } else {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) s.value[c] += kStepEntries;
+      for (int c = 0; c < 2; ++c) s.value[c] += kStepStride * kStepEntries;
 #pragma unroll
-      for (int c = 0; c < kIndexCopies; ++c) s.index[c] += F::kBits;
+      for (int c = 0; c < kIndexCopies; ++c) s.index[c] += kStepStride * F::kBits;
     }
   };
   const uint32_t value_dst0 = smem_addr(ring + (lane >> 2) * kValueRowWords * 4 + (lane & 3) * 16);
@@ -417,10 +440,12 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   };
 
   // The weights are constants: the table and the first steps' copies go out before the wait.
-  constexpr int kTableChunks = L::kTableBytes / 16;
-  for (int i = threadIdx.x; i < kTableChunks; i += kThreads)
-    cp_async16(smem_addr(smem + 16 * i),
-               reinterpret_cast<const unsigned char*>(&kSelectorTable<kN, kM, L::kTableLanes>) + 16 * i, true);
+  if constexpr (!F::kSparseCores) {
+    constexpr int kTableChunks = L::kTableBytes / 16;
+    for (int i = threadIdx.x; i < kTableChunks; i += kThreads)
+      cp_async16(smem_addr(smem + 16 * i),
+                 reinterpret_cast<const unsigned char*>(&kSelectorTable<kN, kM, L::kTableLanes>) + 16 * i, true);
+  }
   Step next{};
   at_tile(next, blockIdx.x);
   int early[kDepth - 1];  // the steps issued before the wait, while they are the first tile's
@@ -467,8 +492,35 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   // 8-15 the same rows at +8, 16-31 rows 8-15 likewise.
   const T* x_lane = xs + ((lane & 7) + (R == 8 ? 0 : (lane >> 4) * 8)) * stride + ((lane >> 3) & 1) * 8;
 
+  // 2:4 on the sparse tensor cores: a step is two m16n8k32 MMAs, each reading 32 of the stage's 64
+  // value bytes a column. ldmatrix row addresses: the values (A) of lanes 0-7 columns 0-7, 8-15
+  // columns 8-15, at the MMA's first 16 bytes, lanes 16-31 likewise at its last 16; the activations
+  // (B) of lane l row l % 8 of the n8 tile at positions 8 (l / 8) of the MMA's 32.
+  const uint32_t a_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * kValueRowWords * 4 + (lane >> 4) * 16;
+  const T* x_lane_sp = xs + (lane & 7) * stride + (lane >> 3) * 8;
+  // Lanes 4g and 4g + 1 give the offsets of an MMA's positions 0-15 and 16-31 (sparsity selector 0):
+  // the low or high halves of columns g's and g + 8's offset words.
+  const uint32_t halves = q & 1 ? 0x7632u : 0x5410u;
+  auto multiply_sparse = [&](const unsigned char* stage, int step, float (&acc)[2][kRowTiles][4]) {
+    const uint2 low = *reinterpret_cast<const uint2*>(stage + kValueBytes + g * 16);
+    const uint2 high = *reinterpret_cast<const uint2*>(stage + kValueBytes + (g + 8) * 16);
+    const T* x_step = x_lane_sp + (step - slice_first) * F::kPositions;
+    unrolled<2>([&](auto mma_constant) {
+      constexpr int s = decltype(mma_constant)::value;
+      uint32_t a[4];
+      ldmatrix_x4(a, stage + a_lane + 32 * s);
+      const uint32_t meta = valid_metadata(prmt(s ? low.y : low.x, s ? high.y : high.x, halves));
+#pragma unroll
+      for (int t = 0; t < kRowTiles; ++t) {
+        uint32_t b[4];
+        ldmatrix_x4(b, x_step + t * 8 * stride + 32 * s);
+        mma_sp_16832<T>(acc[s][t], a, b, meta);
+      }
+    });
+  };
+
   // acc[slab % 2][n8 tile]: two chains of dependent MMAs per tile instead of one.
-  auto multiply = [&](const unsigned char* stage, int step, float (&acc)[2][kRowTiles][4]) {
+  auto multiply_dense = [&](const unsigned char* stage, int step, float (&acc)[2][kRowTiles][4]) {
     // The step's values and offset words of the lane's two columns, in registers.
     uint32_t values[2][16], offsets[2][4];
 #pragma unroll
@@ -552,6 +604,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     });
   };
 
+  auto multiply = [&](const unsigned char* stage, int step, float (&acc)[2][kRowTiles][4]) {
+    if constexpr (F::kSparseCores) multiply_sparse(stage, step, acc);
+    else multiply_dense(stage, step, acc);
+  };
+
   // Writes output (row, out_col), inside the output, from its sum over K (and with a normalised
   // prologue, its row's sum of squares, read only then).
   auto write = [&](int row, int64_t out_col, float sum, auto sumsq) {
@@ -585,7 +642,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   int walked_tiles = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1, ++walked_tiles) {
     float acc[2][kRowTiles][4] = {};
-    for (int step = first; step < last; ++step, ++walked) {
+    for (int step = first; step < last; step += kStepStride, ++walked) {
       issue(next, (walked + kDepth - 1) % kDepth);  // the slot multiplied one step ago
       advance(next);
       cp_async_wait<kDepth - 1>();

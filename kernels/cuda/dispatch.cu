@@ -423,10 +423,12 @@ bool staging_pays(const CudaMatMul& call) {
 // The fewest rows decode_mma takes a call from (choose_path's rule, below). `splits`: it splits K
 // over a cluster; where decode then stages K in one chunk, decode keeps the first rows (groups of 4
 // aside). Four entries a group (4:8, 4:16), which cost more to build into fragments, start at 3
-// rows on narrower outputs than groups of 8 (session 48).
+// rows on narrower outputs than groups of 8 (session 48). 2:4, whose weight goes to the sparse
+// MMA as it is, from 1 row up to kTwoOfFourSpWideNout wide where one block holds K (session 62).
 int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
   const int64_t nout = call.shape.nout;
   const bool groups_of_4 = call.shape.m == 4;
+  if (call.shape.n == 2 && groups_of_4 && !splits && nout <= kTwoOfFourSpWideNout) return 1;
   const bool decode_stages_k_once = splits && !groups_of_4 && decode_single_chunk(call);
   const int64_t mid_nout = call.shape.n == 4 ? kDecodeMmaFourMidNout : kDecodeMmaMidNout;
   const int64_t from = nout <= kDecodeMmaNarrowestNout ? (groups_of_4 ? 1 : 2)
@@ -438,7 +440,8 @@ int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
 
 CudaPath choose_path(const CudaMatMul& call) {
   // The decode-sized tensor-core kernel for 2:4, 1:4, 2:8 and 1:8 on outputs up to 1024 wide from
-  // 1 row (groups of 4) or 2 (groups of 8), else from 3 for groups of 4 and, for groups of 8, from
+  // 1 row (groups of 4) or 2 (groups of 8; 2:4 from 1 row up to 4096 wide where one block holds K),
+  // else from 3 for groups of 4 and, for groups of 8, from
   // 3 up to 16384 wide, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read
   // a 2:4 copy on the sparse tensor cores from 9 rows. 4:8 and 4:16 like groups of 8, from 3 rows
   // up to 4096 wide. Where its K does not fit (K past 34816-38912 at 9..16 rows, 68608-83968 at

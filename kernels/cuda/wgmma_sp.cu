@@ -33,7 +33,7 @@
 // next tile's first copies and MMAs overlap this one's epilogue (1.01-1.18x at K = 4096-5120).
 // Padding groups past the stored length carry offsets (0, 0), a value the hardware leaves
 // undefined; their values and activations are zero, so any valid pair gives the same result,
-// and valid_metadata() rewrites them to (0, 1).
+// and valid_metadata() (common.cuh) rewrites them to (0, 1).
 #include <algorithm>
 #include <type_traits>
 
@@ -200,14 +200,6 @@ __device__ __forceinline__ sm90::RingSlot<L::kStages> consume(float (&acc)[kRows
   }
   retire(last, std::integral_constant<int, 0>{});
   return group;
-}
-
-// Groups whose offsets read (0, 0) -- padding past the stored entries, rows past the end --
-// become (0, 1); every group of the format proper has a second offset >= 1 and stays as it is.
-__device__ __forceinline__ uint32_t valid_metadata(uint32_t meta) {
-  uint32_t any = meta | (meta >> 1);
-  any |= any >> 2;                                   // bit 0 of each nibble: the nibble is nonzero
-  return meta | ((~any & 0x11111111u) << 2);
 }
 
 
