@@ -275,12 +275,19 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(8, 2, 4, 4096, 28672, "float16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path(5, 2, 4, 11008, 4096, "bfloat16") == ("wgmma_sp" if sm90 else "decode")
     assert _kernels.cuda_path(8, 2, 4, 11008, 896, "float16") == dm  # 7 weight tiles
-    # 2:4 at 1-2 rows: decode_mma (the sparse MMA) up to 4096 wide where one block holds K (its ring
-    # of 8 steps a warp leaves 1-8 rows room for K = 7616), else decode.
+    # 2:4 at 1-2 rows: decode_mma (the sparse MMA) up to 6144 wide where one block holds K (its ring
+    # of 8 steps a warp leaves 1-8 rows room for K = 7616), at 1 row from K = 2048 (or up to 1024
+    # wide), else decode; from 3 rows past 4096 wide the sparse tensor cores.
     assert _kernels.cuda_path(1, 2, 4, 4096, 4096, "float16") == dm
+    assert _kernels.cuda_path(1, 2, 4, 2048, 2048, "float16") == dm
+    assert _kernels.cuda_path(1, 2, 4, 2040, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(2, 2, 4, 1024, 4096, "float16") == dm
+    assert _kernels.cuda_path(1, 2, 4, 1024, 1024, "float16") == dm
     assert _kernels.cuda_path(2, 2, 4, 7616, 2048, "bfloat16") == dm
     assert _kernels.cuda_path(1, 2, 4, 7624, 2048, "float16") == "decode"
-    assert _kernels.cuda_path(2, 2, 4, 4096, 4104, "float16") == "decode"
+    assert _kernels.cuda_path(2, 2, 4, 4096, 6144, "float16") == dm
+    assert _kernels.cuda_path(1, 2, 4, 4096, 6160, "float16") == "decode"
+    assert _kernels.cuda_path(3, 2, 4, 4096, 6144, "float16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path(3, 2, 4, 7624, 4096, "float16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path_supported("decode_mma", 8, 2, 4, "float16", 60416) == tc  # the most 8 blocks fit
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 4, "float16", 60424)

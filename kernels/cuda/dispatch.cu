@@ -13,15 +13,17 @@
 // auto|decode|decode_mma|wgmma_sp at 1-8 rows on nine shapes, 2048 x 2048 to 4096 x 28672):
 //  * 2:4, 1:4, 2:8 and 1:8 from a few rows (fp16/bf16, K % 8 == 0, the activations of the whole K
 //    in the shared memory of one block or, K split over a cluster on compute capability 9.0, of
-//    up to 8: K up to 34816-38912 at 9..16 rows, 68608-83968 at 1..8, by family): the
+//    up to 8: K up to 34816-38912 at 9..16 rows, 60416-83968 at 1..8, by family): the
 //    decode-sized tensor-core kernel (decode_mma.cu), to 16 rows (2:4 to 8). Where Nout <= 1024
 //    it starts at 1 row for groups of 4 (1:4, 2:4) and 2 for groups of 8 (session 38: 1.08x and
 //    1.26x decode at 1 row on 4096 x 1024 for 1:4 and 2:4, level for 1:8 and 2:8; session 36:
 //    1.14-1.34x decode at 2 rows, every family), else at 3 for groups of 4 (1.04-1.76x decode at 3
 //    rows, 2048 x 2048 to 4096 x 28672) and for groups of 8 at 3 where Nout <= 16384, else 5
 //    (session 38: 1.02-1.08x decode at 3 rows on 4096 x 11008 and 14336; decode 1.07-1.09x at 3-4
-//    rows on 4096 x 28672; session 36: at 2 rows decode won on 2048 x 2048 and wider). 2:4 takes
-//    it to 8 rows up to 4096 wide (session 38: 1.08-1.15x the sparse tensor cores at 5-8 rows on
+//    rows on 4096 x 28672; session 36: at 2 rows decode won on 2048 x 2048 and wider). Since
+//    session 62, 2:4 (the sparse mma.sync, no fragment to build) starts at 1 row up to 6144 wide
+//    where one block holds K (at 2 below K = 2048; decode_mma_from_rows has the measurements).
+//    2:4 takes it to 8 rows up to 4096 wide (session 38: 1.08-1.15x the sparse tensor cores at 5-8 rows on
 //    4096 x 1024, which session 36 gave to them); wider, the sparse tensor cores take 2:4 from 3
 //    rows (session 59, H200, ab_kernels --path auto|decode_mma|wgmma_sp|decode at 3, 4 and 8 rows:
 //    wgmma_sp 1.10-1.21x decode_mma on 4096 x 6144, 1.22-1.36x on 4096 x 11008 and 14336,
@@ -424,11 +426,16 @@ bool staging_pays(const CudaMatMul& call) {
 // over a cluster; where decode then stages K in one chunk, decode keeps the first rows (groups of 4
 // aside). Four entries a group (4:8, 4:16), which cost more to build into fragments, start at 3
 // rows on narrower outputs than groups of 8 (session 48). 2:4, whose weight goes to the sparse
-// MMA as it is, from 1 row up to kTwoOfFourSpWideNout wide where one block holds K (session 62).
+// MMA as it is, up to kTwoOfFourMmaWideNout wide where one block holds K: from 1 row, or from 2
+// below K = kTwoOfFourMmaOneRowK (session 62, H200, ab_kernels --path decode_mma --path auto at
+// 1-2 rows: 1.03-1.23x decode on 2048 x 2048, 4096 x 4096, 4096 x 5120, 4096 x 6144 and 5120 x
+// 5120, 0.95x on 1024 x 4096 at 1 row; 0.88-0.93x at 1 row from 4096 x 8192 to 4096 x 28672).
+// From 3 rows, wider than kTwoOfFourSpWideNout, the sparse tensor cores take it.
 int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
   const int64_t nout = call.shape.nout;
   const bool groups_of_4 = call.shape.m == 4;
-  if (call.shape.n == 2 && groups_of_4 && !splits && nout <= kTwoOfFourSpWideNout) return 1;
+  if (call.shape.n == 2 && groups_of_4 && !splits && nout <= kTwoOfFourMmaWideNout)
+    return call.shape.k >= kTwoOfFourMmaOneRowK || nout <= kDecodeMmaNarrowestNout ? 1 : 2;
   const bool decode_stages_k_once = splits && !groups_of_4 && decode_single_chunk(call);
   const int64_t mid_nout = call.shape.n == 4 ? kDecodeMmaFourMidNout : kDecodeMmaMidNout;
   const int64_t from = nout <= kDecodeMmaNarrowestNout ? (groups_of_4 ? 1 : 2)
@@ -440,11 +447,12 @@ int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
 
 CudaPath choose_path(const CudaMatMul& call) {
   // The decode-sized tensor-core kernel for 2:4, 1:4, 2:8 and 1:8 on outputs up to 1024 wide from
-  // 1 row (groups of 4) or 2 (groups of 8; 2:4 from 1 row up to 4096 wide where one block holds K),
+  // 1 row (groups of 4) or 2 (groups of 8; 2:4 from 1 row up to 6144 wide where one block holds K
+  // and K >= 2048, from 2 below),
   // else from 3 for groups of 4 and, for groups of 8, from
   // 3 up to 16384 wide, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read
   // a 2:4 copy on the sparse tensor cores from 9 rows. 4:8 and 4:16 like groups of 8, from 3 rows
-  // up to 4096 wide. Where its K does not fit (K past 34816-38912 at 9..16 rows, 68608-83968 at
+  // up to 4096 wide. Where its K does not fit (K past 34816-38912 at 9..16 rows, 60416-83968 at
   // 1..8), 2:4 at 5-8 rows takes the sparse tensor cores and the rest decode. Where it splits K
   // over a cluster (K past one block's shared memory, as in the down projections), groups of 8
   // (and 4:8, 4:16) start at 5 rows while decode stages K in one chunk (session 37: decode
