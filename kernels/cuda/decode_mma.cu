@@ -30,7 +30,7 @@
 //    mma.sync (m16n8k32) as they are. A step is two such MMAs; ldmatrix.x4 reads an MMA's values
 //    from the stage, and each metadata word is one PRMT of two columns' offset words (session 62,
 //    H200: 1.06-1.47x the fragment-building kernel at 1-8 rows, with the two changes below). Its
-//    warps take interleaved steps (below: 1.02-1.16x), and at 1-8 rows its ring is 8 steps deep
+//    warps take interleaved steps (below: 0.99-1.16x), and at 1-8 rows its ring is 8 steps deep
 //    (1.06-1.23x the 4-step ring on 4096 x 1024 and 4096 x 4096, level on wider and longer
 //    weights; 0.84-1.00x at 16 rows, which keep 4).
 //  * Each warp owns 16 output columns and a share of K: a block's 8 warps split a column tile's
@@ -345,8 +345,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
   const int staged = slice_steps * F::kPositions, stride = staged + 8;
   const int tiles = static_cast<int>((p.nout + kColumns - 1) / kColumns);
   // Warp w takes a run of consecutive steps, or for 2:4 the slice's steps w, w + 8, ..., so that
-  // the block's warps read neighbouring steps of the same columns at once (session 62: 1.02-1.13x
-  // at 1-8 rows on 4096 x 1024 to 4096 x 14336; for the families that build fragments 0.98-1.06x,
+  // the block's warps read neighbouring steps of the same columns at once (session 62: 0.99-1.16x
+  // at 1-8 rows, 1.13-1.16x on 4096 x 1024; for the families that build fragments 0.98-1.06x,
   // left as they were).
   constexpr bool kInterleave = F::kSparseCores;
   constexpr int kStepStride = kInterleave ? kWarps : 1;
