@@ -262,11 +262,12 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(5, 1, 8, 4096, 28672, "bfloat16") == dm
     assert _kernels.cuda_path(5, 1, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(8, 2, 8, 4096, 1024, "bfloat16") == dm
-    # 2:4 at 3..8 rows: the sparse tensor cores where the output is wider than 4096 or decode_mma
-    # splits K (below); decode_mma up to 4096 wide.
+    # 2:4 at 3..8 rows: the sparse tensor cores where the output is wider than 4096 (up to 6144
+    # wide from 5 rows) or decode_mma splits K (below); else decode_mma.
     assert _kernels.cuda_path(8, 2, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(4, 2, 4, 4096, 4096, "float16") == dm
-    assert _kernels.cuda_path(3, 2, 4, 4096, 4104, "float16") == ("wgmma_sp" if sm90 else dm)
+    assert _kernels.cuda_path(3, 2, 4, 4096, 4104, "float16") == dm  # to 6144 wide: decode_mma to 4 rows
+    assert _kernels.cuda_path(5, 2, 4, 4096, 4104, "float16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path(3, 2, 4, 4096, 14336, "bfloat16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path(2, 2, 4, 4096, 14336, "float16") == "decode"
     assert _kernels.cuda_path(8, 2, 4, 4096, 896, "float16") == dm  # 7 weight tiles: not a sparse tensor-core grid
@@ -275,9 +276,9 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(8, 2, 4, 4096, 28672, "float16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path(5, 2, 4, 11008, 4096, "bfloat16") == ("wgmma_sp" if sm90 else "decode")
     assert _kernels.cuda_path(8, 2, 4, 11008, 896, "float16") == dm  # 7 weight tiles
-    # 2:4 at 1-2 rows: decode_mma (the sparse MMA) up to 6144 wide where one block holds K (its ring
+    # 2:4 at 1-4 rows: decode_mma (the sparse MMA) up to 6144 wide where one block holds K (its ring
     # of 8 steps a warp leaves 1-8 rows room for K = 7616), at 1 row from K = 2048 (or up to 1024
-    # wide), else decode; from 3 rows past 4096 wide the sparse tensor cores.
+    # wide), else decode; past 4096 wide the sparse tensor cores from 5 rows (wider: from 3).
     assert _kernels.cuda_path(1, 2, 4, 4096, 4096, "float16") == dm
     assert _kernels.cuda_path(1, 2, 4, 2048, 2048, "float16") == dm
     assert _kernels.cuda_path(1, 2, 4, 2040, 4096, "float16") == "decode"
@@ -287,7 +288,9 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(1, 2, 4, 7624, 2048, "float16") == "decode"
     assert _kernels.cuda_path(2, 2, 4, 4096, 6144, "float16") == dm
     assert _kernels.cuda_path(1, 2, 4, 4096, 6160, "float16") == "decode"
-    assert _kernels.cuda_path(3, 2, 4, 4096, 6144, "float16") == ("wgmma_sp" if sm90 else dm)
+    assert _kernels.cuda_path(4, 2, 4, 4096, 6144, "float16") == dm  # past 4096 wide to 4 rows
+    assert _kernels.cuda_path(5, 2, 4, 4096, 6144, "float16") == ("wgmma_sp" if sm90 else dm)
+    assert _kernels.cuda_path(3, 2, 4, 4096, 6160, "float16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path(3, 2, 4, 7624, 4096, "float16") == ("wgmma_sp" if sm90 else dm)
     assert _kernels.cuda_path_supported("decode_mma", 8, 2, 4, "float16", 60416) == tc  # the most 8 blocks fit
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 4, "float16", 60424)

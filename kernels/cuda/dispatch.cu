@@ -22,21 +22,22 @@
 //    decode at 3 rows on 4096 x 11008 and 14336; decode 1.07-1.09x at 3-4 rows on 4096 x 28672;
 //    session 36: at 2 rows decode won on 2048 x 2048 and wider). Since session 62, 2:4 (the sparse
 //    mma.sync, no fragment to build) starts at 1 row up to 6144 wide where one block holds K (at 2
-//    below K = 2048; decode_mma_from_rows has the measurements). 2:4 takes it to 8 rows up to 4096
-//    wide (session 38: 1.08-1.15x the sparse tensor cores at 5-8 rows on 4096 x 1024, which
-//    session 36 gave to them); wider, the sparse tensor cores take 2:4 from 3 rows (session 59,
-//    H200, ab_kernels --path auto|decode_mma|wgmma_sp|decode at 3, 4 and 8 rows: wgmma_sp
-//    1.10-1.21x decode_mma on 4096 x 6144, 1.22-1.36x on 4096 x 11008 and 14336, 1.19-1.26x on
-//    4096 x 28672; on 4096 x 4096 0.98x at 3 rows, 1.02x at 4, 1.10x at 8; session 38 had found
-//    them ahead only at 7-8 rows on 4096 x 14336, before sessions 39-58 made them faster). Session
-//    36 against the rule before it (run B, 100 points at 2-8 rows on 4096 x 1024, 6144, 14336,
-//    22016, 28672): 68 points 1.02-1.76x, 31 within 2%. Session 35 (the first version): 1.34-1.73x
-//    the rule before it at 9-16 rows on the K = 4096 LLaMA projections (wgmma_sp before). Calls
-//    that read a 2:4 copy keep it from 9 rows, as does 2:4. Where it splits K (the down
-//    projections), groups of 8 start at 5 rows while decode stages K once (session 37: decode
-//    1.04-1.18x at 4 rows on 11008 x 4096; session 38: for 1:4 decode_mma 1.03-1.05x at 3-4 rows
-//    there), and 2:4 takes the sparse tensor cores from 3 rows (session 37: against the rule
-//    before, 1.07-1.97x at 3-16 rows on 11008 and 14336 x 4096 where the choice changed).
+//    below K = 2048; decode_mma_from_rows has the measurements) and keeps 3-4 rows there
+//    (choose_path has those). 2:4 takes it to 8 rows up to 4096 wide (session 38: 1.08-1.15x the
+//    sparse tensor cores at 5-8 rows on 4096 x 1024, which session 36 gave to them); wider, the
+//    sparse tensor cores take 2:4 from 3 rows (session 59, H200, ab_kernels --path
+//    auto|decode_mma|wgmma_sp|decode at 3, 4 and 8 rows: wgmma_sp 1.10-1.21x decode_mma on 4096 x
+//    6144, 1.22-1.36x on 4096 x 11008 and 14336, 1.19-1.26x on 4096 x 28672; on 4096 x 4096 0.98x
+//    at 3 rows, 1.02x at 4, 1.10x at 8; session 38 had found them ahead only at 7-8 rows on 4096 x
+//    14336, before sessions 39-58 made them faster). Session 36 against the rule before it (run B,
+//    100 points at 2-8 rows on 4096 x 1024, 6144, 14336, 22016, 28672): 68 points 1.02-1.76x, 31
+//    within 2%. Session 35 (the first version): 1.34-1.73x the rule before it at 9-16 rows on the
+//    K = 4096 LLaMA projections (wgmma_sp before). Calls that read a 2:4 copy keep it from 9 rows,
+//    as does 2:4. Where it splits K (the down projections), groups of 8 start at 5 rows while
+//    decode stages K once (session 37: decode 1.04-1.18x at 4 rows on 11008 x 4096; session 38:
+//    for 1:4 decode_mma 1.03-1.05x at 3-4 rows there), and 2:4 takes the sparse tensor cores from
+//    3 rows (session 37: against the rule before, 1.07-1.97x at 3-16 rows on 11008 and 14336 x
+//    4096 where the choice changed).
 //  * 4:8 and 4:16 (fp16/bf16, the same K limits but 4:16's, 34816 and 68608) on decode_mma
 //    (session 46, H100, ab_kernels --path decode|decode_mma|mma at 1-16 rows on eight shapes, 4096
 //    x 1024 to 4096 x 28672: at 12-16 rows 1.55-2.96x the faster of decode and mma everywhere).
@@ -447,16 +448,16 @@ int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
 CudaPath choose_path(const CudaMatMul& call) {
   // The decode-sized tensor-core kernel for 2:4, 1:4, 2:8 and 1:8 on outputs up to 1024 wide from
   // 1 row (groups of 4) or 2 (groups of 8; 2:4 from 1 row up to 6144 wide where one block holds K
-  // and K >= 2048, from 2 below), else from 3 for groups of 4 and, for groups of 8, from 3 up to
-  // 16384 wide, else 5; to 8 rows for 2:4 and to 16 for the others, except calls that read a 2:4
-  // copy on the sparse tensor cores from 9 rows. 4:8 and 4:16 like groups of 8, from 3 rows up to
-  // 4096 wide. Where its K does not fit (K past 34816-38912 at 9..16 rows, 60416-83968 at 1..8),
-  // 2:4 at 5-8 rows takes the sparse tensor cores and the rest decode. Where it splits K over a
-  // cluster (K past one block's shared memory, as in the down projections), groups of 8 (and 4:8,
-  // 4:16) start at 5 rows while decode stages K in one chunk (session 37: decode 1.04-1.18x at 4
-  // rows on 11008 x 4096, decode_mma 1.14-1.24x on 14336 x 4096 in two chunks), and 2:4 takes the
-  // sparse tensor cores from 3 rows (1.02-1.16x decode_mma at 3-8 rows there), as it does on
-  // outputs wider than 4096 (session 59: 1.10-1.36x).
+  // and K >= 2048, from 2 below, past 4096 wide to 4 rows), else from 3 for groups of 4 and, for
+  // groups of 8, from 3 up to 16384 wide, else 5; to 8 rows for 2:4 and to 16 for the others,
+  // except calls that read a 2:4 copy on the sparse tensor cores from 9 rows. 4:8 and 4:16 like
+  // groups of 8, from 3 rows up to 4096 wide. Where its K does not fit (K past 34816-38912 at
+  // 9..16 rows, 60416-83968 at 1..8), 2:4 at 5-8 rows takes the sparse tensor cores and the rest
+  // decode. Where it splits K over a cluster (K past one block's shared memory, as in the down
+  // projections), groups of 8 (and 4:8, 4:16) start at 5 rows while decode stages K in one chunk
+  // (session 37: decode 1.04-1.18x at 4 rows on 11008 x 4096, decode_mma 1.14-1.24x on 14336 x
+  // 4096 in two chunks), and 2:4 takes the sparse tensor cores from 3 rows (1.02-1.16x decode_mma
+  // at 3-8 rows there), as it does on outputs wider than 4096 (session 59: 1.10-1.36x).
   const bool sparse = 4 * call.shape.n <= call.shape.m;
   const bool two_of_four = call.shape.n == 2 && call.shape.m == 4;
   const int64_t nout = call.shape.nout;
@@ -475,8 +476,14 @@ CudaPath choose_path(const CudaMatMul& call) {
   // rows with those weight tiles, else from kWgmmaCrossover rows on kWgmmaMinBlocks blocks.
   const bool sparse_grid = enough_tiles || wgmma_blocks >= kWgmmaSpMinBlocks;
   if (call.rows <= kDecodeMmaCrossover) {
+    // Up to kTwoOfFourMmaWideNout wide, where one block holds K, decode_mma keeps 2:4 to 4 rows
+    // (session 62, H200, ab_kernels --path decode_mma --path wgmma_sp on 4096 x 5120, 4096 x 6144,
+    // 5120 x 5120 and 6144 x 6144: 1.02-1.13x at 3-4 rows, 0.95-1.06x at 6-8; on 4096 x 8192
+    // 0.92-0.98x).
     const bool two_of_four_sp_early = decode_mma_splits || nout > kTwoOfFourSpWideNout;
-    const int64_t two_of_four_sp_from = two_of_four_sp_early ? kTwoOfFourSpFromRows : kDecodeMmaFromRows;
+    const bool two_of_four_mma_wide = !decode_mma_splits && nout <= kTwoOfFourMmaWideNout;
+    const int64_t two_of_four_sp_from =
+        two_of_four_sp_early && !two_of_four_mma_wide ? kTwoOfFourSpFromRows : kDecodeMmaFromRows;
     const bool two_of_four_sp = two_of_four && call.rows >= two_of_four_sp_from && sparse_grid &&
                                 path_supported(call, CudaPath::wgmma_sp);
     if (decode_mma_takes && !(two_of_four_sp && two_of_four_sp_early)) return CudaPath::decode_mma;
