@@ -519,8 +519,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
     });
   };
 
-  // acc[slab % 2][n8 tile]: two chains of dependent MMAs per tile instead of one.
-  auto multiply_dense = [&](const unsigned char* stage, int step, float (&acc)[2][kRowTiles][4]) {
+  // acc[slab % 2][n8 tile]: two chains of dependent MMAs per tile instead of one. Generic, so that it
+  // is compiled only for the families that build fragments (not 2:4).
+  auto multiply_dense = [&](const unsigned char* stage, int step, auto& acc) {
     // The step's values and offset words of the lane's two columns, in registers.
     uint32_t values[2][16], offsets[2][4];
 #pragma unroll
@@ -589,13 +590,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mma_kernel(PathParams<T> p
         } else {
           unrolled<2>([&](auto w_constant) {
             constexpr int w = decltype(w_constant)::value;
-            constexpr int kGroup = slab * (16 / kM) + w * F::kApart;  // less lane_group
+            constexpr int kGroup = slab * 2 + w * F::kApart;  // 2:8 (2:4 takes the sparse MMA)
             const uint32_t selector =
                 lookup(key_offset<kGroup * F::kFieldBits, F::kFieldBits, kShift>(offsets[h], lane_bytes));
             // Entries 2G, 2G + 1 of the step are group G's: word G.
-            const uint32_t word =
-                kM == 8 ? values[h][kGroup] : (lane_group ? values[h][kGroup + 1] : values[h][kGroup]);
-            a[2 * w + h] = prmt(0u, word, selector);
+            a[2 * w + h] = prmt(0u, values[h][kGroup], selector);
           });
         }
       }

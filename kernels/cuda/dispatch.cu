@@ -422,6 +422,12 @@ bool staging_pays(const CudaMatMul& call) {
   return !path_supported(call, CudaPath::mma) || two_of_four_copy_by_words(call.shape.n, call.shape.m);
 }
 
+// 2:4 calls decode_mma takes at its first rows, on the sparse MMA: up to kTwoOfFourMmaWideNout
+// wide where one block holds K (`splits`: decode_mma splits K over a cluster).
+bool two_of_four_mma_wide(const CudaMatMul& call, bool splits) {
+  return call.shape.n == 2 && call.shape.m == 4 && !splits && call.shape.nout <= kTwoOfFourMmaWideNout;
+}
+
 // The fewest rows decode_mma takes a call from (choose_path's rule, below). `splits`: it splits K
 // over a cluster; where decode then stages K in one chunk, decode keeps the first rows (groups of 4
 // aside). Four entries a group (4:8, 4:16), which cost more to build into fragments, start at 3
@@ -434,7 +440,7 @@ bool staging_pays(const CudaMatMul& call) {
 int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
   const int64_t nout = call.shape.nout;
   const bool groups_of_4 = call.shape.m == 4;
-  if (call.shape.n == 2 && groups_of_4 && !splits && nout <= kTwoOfFourMmaWideNout)
+  if (two_of_four_mma_wide(call, splits))
     return call.shape.k >= kTwoOfFourMmaOneRowK || nout <= kDecodeMmaNarrowestNout ? 1 : 2;
   const bool decode_stages_k_once = splits && !groups_of_4 && decode_single_chunk(call);
   const int64_t mid_nout = call.shape.n == 4 ? kDecodeMmaFourMidNout : kDecodeMmaMidNout;
@@ -481,9 +487,9 @@ CudaPath choose_path(const CudaMatMul& call) {
     // 5120 x 5120 and 6144 x 6144: 1.02-1.13x at 3-4 rows, 0.95-1.06x at 6-8; on 4096 x 8192
     // 0.92-0.98x).
     const bool two_of_four_sp_early = decode_mma_splits || nout > kTwoOfFourSpWideNout;
-    const bool two_of_four_mma_wide = !decode_mma_splits && nout <= kTwoOfFourMmaWideNout;
-    const int64_t two_of_four_sp_from =
-        two_of_four_sp_early && !two_of_four_mma_wide ? kTwoOfFourSpFromRows : kDecodeMmaFromRows;
+    const int64_t two_of_four_sp_from = two_of_four_sp_early && !two_of_four_mma_wide(call, decode_mma_splits)
+                                            ? kTwoOfFourSpFromRows
+                                            : kDecodeMmaFromRows;
     const bool two_of_four_sp = two_of_four && call.rows >= two_of_four_sp_from && sparse_grid &&
                                 path_supported(call, CudaPath::wgmma_sp);
     if (decode_mma_takes && !(two_of_four_sp && two_of_four_sp_early)) return CudaPath::decode_mma;
