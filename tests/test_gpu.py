@@ -110,7 +110,8 @@ def paths_for(rows, pattern, dtype_name, k):
                                          # last wave's 12 split over clusters (launch_split), the last
                                          # activation tile overlapping the one before (K: partial step)
                                          (2300, 3000, 2000),
-                                         # 32 weight tiles of 4 x 160 rows (until session 51, stream-K
+                                         # 32 weight tiles of 4 x 160 rows (1:8 stages a 2:4 copy
+                                         # from 640 rows here; until session 51, stream-K
                                          # over 3 x 256: test_regrouping_kernel_stream_k_when_forced)
                                          (640, 11000, 4000),
                                          # K split three ways over a cluster, the last block fewer steps
@@ -394,22 +395,23 @@ def test_device_two_of_four_copy_matches_the_host_one(rng, n, m, dtype_name, k, 
 
 @pytest.mark.parametrize("n,m", [(1, 4), (2, 8), (1, 8), (2, 16), (1, 3), (1, 32), (2, 12), (1, 2)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows,k,nout", [(9, 1000, 1030), (40, 4104, 300), (2100, 264, 1000), (4100, 136, 130),
-                                         (1030, 1000, 4100), (3100, 520, 1030)])
+@pytest.mark.parametrize("rows,k,nout", [(9, 1000, 1030), (40, 4104, 300), (600, 1000, 4100), (1000, 4104, 1030),
+                                         (2100, 136, 240), (2100, 264, 1000), (4100, 136, 130), (3100, 520, 1030)])
 def test_sparse_tensor_cores_stage_a_two_of_four_copy(rng, n, m, dtype_name, rows, k, nout):
     """Calls without a 2:4 copy on the sparse tensor cores: patterns their kernels regroup (1:4,
-    2:8, 1:8) stage a copy in the workspace from kStagedCopyFromRows rows and kStagedCopyMinOutputs
-    outputs (dispatch.cu; 1030 x 4100, 2100 x 1000 and 4100 x 130 do not, 3100 x 1030 does), the
-    other patterns that fit 2:4 at any row count. Poisoned workspace and outputs, the float64
-    reference; K off the 64-position step and Nout off the 128-column tile."""
+    2:8, 1:8) stage a copy in the workspace from staged_copy_from_rows rows (K of 4096-14336: 1:8
+    640, 1:4 768, 2:8 1024; else 2048) and kStagedCopyMinOutputs outputs (dispatch.cu; 600 x 4100 and
+    2100 x 240 do not, 1000 x 1030 at K = 4104 for 1:4 and 1:8 only, 2100 x 1000, 4100 x 130 and
+    3100 x 1030 do), the other patterns that fit 2:4 at any row count. Poisoned workspace and outputs, the float64 reference; K off the
+    64-position step and Nout off the 128-column tile."""
     if not kernels.cuda_path_supported("wgmma_sp", rows, n, m, dtype_name, k):
         pytest.skip("no sm_90a device")
     pattern = NMPattern(n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
     need = kernels.cuda_workspace_bytes(rows, n, m, k, nout, dtype_name, path="wgmma_sp")
     copy_bytes = PackedShape(k, nout, NMPattern(2, 4)).packed_bytes(2)
-    staged = rows >= kernels.STAGED_COPY_FROM_ROWS and rows * nout >= kernels.STAGED_COPY_MIN_OUTPUTS
     regrouped = (n, m) in [(1, 4), (2, 8), (1, 8)]
+    staged = regrouped and rows >= kernels.staged_copy_from_rows(n, m, k) and rows * nout >= kernels.STAGED_COPY_MIN_OUTPUTS
     # Unstaged regrouped calls with fewer 256-row tiles than SMs (but more than half as many) keep
     # room for stream-K instead.
     sms = torch.cuda.get_device_properties(0).multi_processor_count

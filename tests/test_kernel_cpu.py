@@ -142,7 +142,7 @@ def test_rejects_bad_shapes(rng):
 def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     """The workspace a call needs on the sparse tensor cores (kernels/cuda/dispatch.cu): a 2:4
     copy of the weight (values, then offset words from a 256-byte boundary) for 1:4, 2:8 and 1:8
-    from STAGED_COPY_FROM_ROWS rows and STAGED_COPY_MIN_OUTPUTS outputs, for the other patterns
+    from staged_copy_from_rows rows and STAGED_COPY_MIN_OUTPUTS outputs, for the other patterns
     that fit 2:4 at any row count; below those, room for stream-K (a flag and a 128 KB slot of
     partial sums per SM) where 1:4, 2:8 and 1:8 have more than 64 rows and fewer 256-row tiles than
     SMs but more than half as many; none for 2:4 itself, for fp32 or for a call that carries a copy; after a gated call's
@@ -155,8 +155,12 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
         shape = PackedShape(k, nout, NMPattern(2, 4))
         return -(-shape.nout * shape.row_len * 2 // 256) * 256 + shape.nout * shape.index_words * 4
 
-    rows = _kernels.STAGED_COPY_FROM_ROWS
-    assert rows == 2048
+    from_rows = {(n, m): _kernels.staged_copy_from_rows(n, m, 4096) for n, m in ((1, 4), (2, 8), (1, 8))}
+    assert from_rows == {(1, 4): 768, (2, 8): 1024, (1, 8): 640}
+    assert {_kernels.staged_copy_from_rows(n, m, k) for n, m in from_rows for k in (4095, 14337)} == {2048}
+    assert {_kernels.staged_copy_from_rows(n, m, 14336) for n, m in from_rows} == {768, 1024, 640}
+    with pytest.raises(ValueError):
+        _kernels.staged_copy_from_rows(2, 16, 4096)  # stages at any row count
     space = functools.partial(_kernels.cuda_workspace_bytes, path="wgmma_sp")
     stream_k = space(640, 2, 8, 11008, 4096, "float16")  # 96 tiles of 256 rows
     sms = stream_k // (256 * 128 * 4)  # the device's, or the 132 assumed without one
@@ -164,7 +168,7 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     assert space(64, 2, 8, 11008, 4096, "float16") == 0  # 64 rows: no stream-K
     assert space(512, 2, 8, 11008, 4096, "float16") == 0  # 64 tiles: split over clusters
     assert space(640, 2, 4, 11008, 4096, "float16") == 0  # the 2:4 kernel does not take it
-    for n, m in ((1, 4), (2, 8), (1, 8)):
+    for (n, m), rows in from_rows.items():
         assert space(rows, n, m, 4096, 4096, "float16") == copy_bytes(4096, 4096) == 4096 * (2048 * 2 + 128 * 4)
         assert space(rows - 1, n, m, 4096, 16384, "float16") == 0  # 512 tiles: more than SMs
         assert space(rows, n, m, 4096, 4096, "float16", copy=True) == 0
@@ -174,12 +178,15 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     assert space(17, 2, 16, 4104, 1000, "bfloat16") == copy_bytes(4104, 1000)
     assert space(9, 1, 3, 100, 33, "float16") == copy_bytes(100, 33)
     # ... and only from STAGED_COPY_MIN_OUTPUTS outputs (rows x Nout): not on narrow outputs.
-    assert _kernels.STAGED_COPY_MIN_OUTPUTS == 3 << 20
-    assert space(rows, 2, 8, 4096, 1024, "float16") == 0  # 2M outputs
-    assert space(2048, 2, 8, 4096, 2048, "float16") == copy_bytes(4096, 2048)
-    assert space(3072, 1, 8, 4096, 1024, "bfloat16") == copy_bytes(4096, 1024)
-    assert space(3071, 1, 8, 4096, 1024, "bfloat16") == stream_k  # 96 tiles, unstaged
-    assert space(1000, 1, 8, 4096, 6144, "bfloat16") == 0  # 192 tiles, unstaged
+    assert _kernels.STAGED_COPY_MIN_OUTPUTS == 1 << 19
+    assert space(1024, 2, 8, 4096, 512, "float16") == copy_bytes(4096, 512)  # 2^19 outputs
+    assert space(1024, 2, 8, 4096, 504, "float16") == 0  # fewer, and 16 tiles: no stream-K either
+    assert space(1023, 2, 8, 4096, 2048, "float16") == 0  # 64 tiles: split over clusters
+    assert space(640, 1, 8, 4096, 4096, "bfloat16") == copy_bytes(4096, 4096)
+    assert space(639, 1, 8, 4096, 4096, "bfloat16") == stream_k  # 96 tiles, unstaged
+    assert space(600, 1, 8, 4096, 6144, "bfloat16") == 0  # 144 tiles, unstaged
+    assert space(2048, 1, 8, 4095, 4096, "bfloat16") == copy_bytes(4095, 4096)
+    assert space(2047, 1, 8, 4095, 4096, "bfloat16") == 0  # 256 tiles, unstaged below K = 4096
     gated = 2100 * 100 * 2  # the activation A, then the copy from the next 256-byte boundary
     assert space(2100, 2, 8, 100, 1600, "float16", "silu") == -(-gated // 256) * 256 + copy_bytes(100, 1600)
     assert space(2100, 2, 8, 100, 1600, "float16", norm=True) == -(-gated // 256) * 256 + copy_bytes(100, 1600)

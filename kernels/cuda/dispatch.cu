@@ -88,7 +88,8 @@
 //    1 mostly on 4096x14336) and 1.37-1.70x from 48, so those take the copy from 9 rows. Session
 //    34 (scratch/copy34.py, 9-16 rows on 4096 and 8192 x 1024, 2:8, 1:8, 1:4): the copy on the
 //    sparse tensor cores ran 1.77-3.00x the faster of decode and mma on the weight.
-//  * From kStagedCopyFromRows (2048) rows, fp16/bf16 1:4, 2:8 and 1:8 weights that carry no 2:4
+//  * From staged_copy_from_rows rows (nm_matmul_cuda.h: 640-1024 by family where K is 4096-14336,
+//    else 2048), fp16/bf16 1:4, 2:8 and 1:8 weights that carry no 2:4
 //    copy have the sparse tensor cores read one staged in the call's workspace: one kernel writes
 //    it (two_of_four_copy.cu, at 79-99% of the copy bandwidth on the LLaMA projections on the H100,
 //    64-95% on the H200 since session 60), the 2:4 kernel reads it, where the regrouping kernel
@@ -103,7 +104,9 @@
 //    --path auto against a build that never stages, on 4096 x 4096, 11008 x 4096, 4096 x 11008,
 //    4096 x 14336 and 14336 x 4096): at 1024 rows the regrouping kernel ran 1.06-1.16x the staged
 //    copy for 2:8, 0.99-1.11x for 1:4 and 0.95-1.09x for 1:8; at 2048 rows 0.93-1.01x, 0.88-0.97x
-//    and 0.88-0.98x. Other patterns that fit 2:4 (2:16, 1:16, 1:3, 2:32, ...) reach the sparse
+//    and 0.88-0.98x. Session 63 (H200) launched the copy's kernel and the 2:4 kernel behind it as
+//    programmatic dependents, which took 1-3 us off every staged call, and refit the rows: see
+//    stages_copy. Other patterns that fit 2:4 (2:16, 1:16, 1:3, 2:32, ...) reach the sparse
 //    tensor cores only that way: see staging_pays for where.
 //  * fp32, element-wise: the 3xTF32 warpgroup kernel (wgmma_tf32.cu) from 9 rows, for the families
 //    it compiles; else decode up to 16 rows and the tiled SIMT path above. Session 27
@@ -236,17 +239,22 @@ bool regrouped_in_kernel(int n, int m) {
 // and reads that (the weight regrouped once per call, not once per block that reads it): fp16/bf16
 // weights whose pattern fits 2:4 and that carry no copy, at any row count for the patterns the
 // kernels do not regroup themselves (the only way they reach the sparse tensor cores); for those
-// they do (1:4, 2:8, 1:8), from kStagedCopyFromRows rows where the output has at least
-// kStagedCopyMinOutputs entries. Session 41 (H100, ab_kernels --path auto against 64886ec, the
-// regrouping kernel, 2:8, 1:8 and 1:4 at 1024 and 2048 rows): staging lost on the narrow outputs,
-// 0.87-0.92x on 4096 x 2048 at 1024 rows (2.1M outputs), 0.85-0.96x on 4096 and 8192 x 1024 at 2048
-// rows (2.1M), 0.95-1.04x on them at 1024 rows (1M); it won from 4.2M outputs, 1.21-1.29x on 4096 x
-// 2048 at 2048 rows and 1.12-1.16x on 4096 x 4096 at 1024 rows (before session 55 moved the rows to
-// 2048, above).
+// they do (1:4, 2:8, 1:8), from staged_copy_from_rows rows where the output has at least
+// kStagedCopyMinOutputs entries. Session 63 (H200, the launches as programmatic dependents;
+// ab_kernels --path auto, the regrouping kernel against the staged copy forced from 17 rows, 2:8,
+// 1:4 and 1:8 on the six LLaMA projections with 4096 x 1024 and on six nmSPARSE shapes at 300-2048
+// rows; BENCHMARKS.md): at 300 rows the copy ran 0.76-0.98x, at 640 1:8 1.04-1.21x, 1:4 1.00-1.08x
+// (0.94x and 0.96x on 8192 x 8192 and 20480 x 5120), 2:8 0.98-1.05x; at 768 1:4 1.05-1.15x; at
+// 1024 1:8 1.13-1.16x, 1:4 1.05-1.17x, 2:8 0.98-1.13x. It lost at K = 1024 and 2048 below 2048 rows
+// (1024 x 4096: 0.81-0.87x at 640-1024; 2048 x 2048: 0.89x at 640) and at K = 20480 (0.92-0.98x at
+// 1024), so those keep 2048 rows, where it won 1.03-1.12x; on 4096 x 1024 (2.1M outputs) at 2048 rows
+// 1.01-1.07x, so the outputs go down to 2^19 (4096 x 1024 at 640 rows: 1.04x for 1:8). Session 41
+// (H100, before these launches) had found staging losing on narrow outputs (0.85-0.96x at 2.1M
+// outputs), hence 3 x 2^20 until session 63.
 bool stages_copy(const CudaMatMul& c) {
   if (has_copy(c) || c.dtype == DType::f32 || !fits_two_of_four(c.shape.n, c.shape.m)) return false;
   if (!regrouped_in_kernel(c.shape.n, c.shape.m)) return true;
-  return c.rows >= kStagedCopyFromRows && c.rows * c.shape.nout >= kStagedCopyMinOutputs;
+  return c.rows >= staged_copy_from_rows(c.shape.n, c.shape.m, c.shape.k) && c.rows * c.shape.nout >= kStagedCopyMinOutputs;
 }
 
 // Workspace bytes of a call's activation A (gated or normalised calls off the decode paths).
@@ -417,7 +425,8 @@ namespace {
 // they take.
 constexpr int64_t kStagingPaysFromRows = 1024;
 bool staging_pays(const CudaMatMul& call) {
-  if (call.rows >= kStagingPaysFromRows) return true;
+  // 1:4, 2:8 and 1:8: stages_copy weighed the copy against the regrouping kernel.
+  if (call.rows >= kStagingPaysFromRows || regrouped_in_kernel(call.shape.n, call.shape.m)) return true;
   if (call.rows <= kDecodeMaxRows || path_supported(call, CudaPath::wgmma)) return false;
   return !path_supported(call, CudaPath::mma) || two_of_four_copy_by_words(call.shape.n, call.shape.m);
 }

@@ -43,11 +43,16 @@ struct CudaMatMul {
   const uint32_t* copy_indices = nullptr;   // [Nout, S4/16]
 };
 
-// From this many rows, and this many outputs (rows x Nout), the sparse tensor cores read 1:4, 2:8
-// and 1:8 weights that carry no 2:4 copy as one staged in the call's workspace
-// (kernels/cuda/dispatch.cu, stages_copy).
-constexpr int64_t kStagedCopyFromRows = 2048;
-constexpr int64_t kStagedCopyMinOutputs = int64_t{3} << 20;
+// From how many rows, and from kStagedCopyMinOutputs outputs (rows x Nout), the sparse tensor cores
+// read 1:4, 2:8 and 1:8 weights that carry no 2:4 copy as one staged in the call's workspace
+// (kernels/cuda/dispatch.cu, stages_copy): where 4096 <= K <= 14336, 1:8 from 640 rows, 1:4 from
+// 768 and 2:8 from 1024; other K from 2048.
+constexpr int64_t kStagedCopyMinOutputs = int64_t{1} << 19;
+constexpr int64_t kStagedCopyEarlyMinK = 4096, kStagedCopyEarlyMaxK = 14336;
+inline int64_t staged_copy_from_rows(int n, int m, int64_t k) {
+  if (k < kStagedCopyEarlyMinK || k > kStagedCopyEarlyMaxK) return 2048;
+  return n == 2 ? 1024 : m == 8 ? 640 : 768;
+}
 
 // Which path `automatic` takes for this call (see kernels/cuda/dispatch.cu for the rule).
 CudaPath choose_path(const CudaMatMul& call);

@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(kCopyThreads)
                            uint32_t* copy_values, uint32_t* copy_indices) {
   constexpr int kGroups = 32 / kM, kE = kGroups * kN, kBits = index_bits(kM);
   static_assert(kM >= 8 || kN == 1, "of M = 2 and 4, 1:2 and 1:4 (2:4 takes no copy)");
+  allow_next_kernel();  // the sparse tensor cores' kernel may set up while the copy runs
   const int w = blockIdx.x * kCopyThreads + threadIdx.x;
   if (w >= words_per_row) return;
   const int64_t first = 32 * static_cast<int64_t>(w);  // the word's first position
@@ -136,6 +137,7 @@ __global__ void __launch_bounds__(kCopyThreads)
         }
       }
     }
+    wait_for_previous_kernel();  // the workspace may still be read by the kernel before (the last call's)
     uint4* out = reinterpret_cast<uint4*>(copy_values + col * (8 * static_cast<int64_t>(words_per_row)) + 8 * w);
     out[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
     out[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
@@ -150,6 +152,7 @@ __global__ void __launch_bounds__(kCopyThreads)
 __global__ void __launch_bounds__(kCopyThreads)
     two_of_four_copy_blocks(const uint16_t* values, const uint32_t* indices, NMShape shape, int blocks_per_row,
                             uint32_t* copy_values, uint32_t* copy_indices) {
+  allow_next_kernel();
   const int block = blockIdx.x * kCopyThreads + threadIdx.x;  // rows hold whole words: 8 | blocks_per_row
   const bool live = block < blocks_per_row;
   const int m = shape.m;
@@ -178,6 +181,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     }
     uint32_t word = fields << (4 * (threadIdx.x & 7));
     for (int o = 1; o < 8; o <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, o);
+    wait_for_previous_kernel();
     if (live) {
       copy_values[col * blocks_per_row + block] = pair;
       if ((block & 7) == 0) copy_indices[col * (blocks_per_row / 8) + block / 8] = word;
@@ -218,9 +222,12 @@ int two_of_four_copy_cuda(const void* values, const uint32_t* indices, const NMS
   const auto cast = static_cast<cudaStream_t>(stream);
   const auto* v = static_cast<const uint16_t*>(values);
   auto* out = static_cast<uint32_t*>(copy.values);
+  // Programmatic dependent launches (launch_split_k): the weight is a constant, so a copy's reads go
+  // out while the kernel before it drains, and its writes wait for it (wait_for_previous_kernel).
+  cudaError_t e = cudaSuccess;
   const auto by_words = [&](auto kernel) {
-    kernel<<<copy_grid(words, shape.nout), kCopyThreads, 0, cast>>>(v, indices, shape, static_cast<int>(words), out,
-                                                                     copy.indices);
+    e = launch_split_k(kernel, copy_grid(words, shape.nout), kCopyThreads, 0, cast, 1, true, v, indices, shape,
+                       static_cast<int>(words), out, copy.indices);
   };
   switch (shape.n * 64 + shape.m) {  // the eight patterns two_of_four_copy_by_words names
     case 1 * 64 + 2: by_words(two_of_four_copy_words<1, 2>); break;
@@ -232,10 +239,10 @@ int two_of_four_copy_cuda(const void* values, const uint32_t* indices, const NMS
     case 1 * 64 + 32: by_words(two_of_four_copy_words<1, 32>); break;
     case 2 * 64 + 32: by_words(two_of_four_copy_words<2, 32>); break;
     default:
-      two_of_four_copy_blocks<<<copy_grid(8 * words, shape.nout), kCopyThreads, 0, cast>>>(
-          v, indices, shape, static_cast<int>(8 * words), out, copy.indices);
+      e = launch_split_k(two_of_four_copy_blocks, copy_grid(8 * words, shape.nout), kCopyThreads, 0, cast, 1, true, v,
+                         indices, shape, static_cast<int>(8 * words), out, copy.indices);
   }
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(e);
 }
 
 }  // namespace nmcli

@@ -351,6 +351,9 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
 
   if (!consumer) {
     if (lane == 0) maps.prefetch(block.tensor_offsets);
+    // A weight the kernel before wrote (the call's staged 2:4 copy) is copied only once it is done.
+    if constexpr (kEarly)
+      if (p.weight_from_stream) wait_for_previous_kernel();
     block.template produce_tile<kEarly>(p, maps, tile.w0, tile.rows, begin, end, lane, 0);
   } else {
     block.consume_tile(acc, begin, end, wg, lane, row, 0);
@@ -466,9 +469,13 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   sm90::split_steps<L::kGroup>(p.groups * 4, begin, end);
   const int boxes = (end + L::kBox - 1) / L::kBox;  // box slots a tile's offset words take
   block.init_barriers();
+  // Launched as a programmatic dependent (launch_persistent): the set-up above overlaps the kernel
+  // before, whose outputs (the activations, a staged weight) everything below may read.
+  allow_next_kernel();
   const int64_t first = p.first_tile + blockIdx.x, last = p.first_tile + p.tile_count;
   if (warp >= kThreads / 32) {
     if (lane == 0) maps.prefetch(block.tensor_offsets);
+    wait_for_previous_kernel();
     sm90::RingSlot<L::kStages> slot{};
     int box_base = 0;
     for (int64_t t = first; t < last; t += gridDim.x, box_base += boxes) {
@@ -477,6 +484,7 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
     }
     return;
   }
+  wait_for_previous_kernel();  // before any write
   const int row = sm90::consumer_row(warp, lane);
   const uint32_t box = block.ring + static_cast<uint32_t>(PersistentLayout<kRows>::kScratch +
                                                           wg * PersistentLayout<kRows>::kBoxBytes);
@@ -970,9 +978,10 @@ bool persistent_grid(const PathParams<T>& p, int64_t tiles, int64_t steps) {
          p.y.count == 1 && p.nout % 8 == 0 && reinterpret_cast<uintptr_t>(p.y.base[0]) % 16 == 0;
 }
 
-// The persistent kernel on min(tiles, SMs) blocks (`tiles`: the launch's, sm90::launched_tiles);
-// cudaErrorNotSupported where the driver refuses the output's tensor map (the caller then launches
-// a block a tile).
+// The persistent kernel on min(tiles, SMs) blocks (`tiles`: the launch's, sm90::launched_tiles), as a
+// programmatic dependent (one wave; session 63, H200: 1.01-1.11x at 2048-4096 rows on 4096 x 4096 to
+// 5120 x 5120, level elsewhere); cudaErrorNotSupported where the driver refuses the output's tensor
+// map (the caller then launches a block a tile).
 template <typename T, int kRows>
 cudaError_t launch_persistent(const PathParams<T>& p, const TileMaps& maps, int64_t tiles, cudaStream_t stream) {
   CUtensorMap out{};
@@ -984,9 +993,9 @@ cudaError_t launch_persistent(const PathParams<T>& p, const TileMaps& maps, int6
   PathParams<T> q = p;
   q.tile_count = tiles;
   const int64_t blocks = std::min<int64_t>(tiles, multiprocessor_count());
-  kKernel<<<static_cast<unsigned>(blocks), kThreads + kProducerThreads, kSmem, stream>>>(q, maps, out);
   last_tile_plan().persistent = true;
-  return cudaGetLastError();
+  return launch_split_k(kKernel, dim3(static_cast<unsigned>(blocks)), kThreads + kProducerThreads, kSmem, stream, 1,
+                        true, q, maps, out);
 }
 
 // `steps`: the call's K steps (sm90::k_steps), as run_wgmma_sp has them.
@@ -1003,10 +1012,13 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
     if (splits == 1 && p.stream_k_blocks == 0 && persistent_grid(p, tiles, steps))
       if (cudaError_t e = launch_persistent<T, kRows>(p, maps, tiles, stream); e != cudaErrorNotSupported) return e;
   }
-  return sm90::launch_early_or_not<kRows>(p, splits, [&](auto early) {
-    return sm90::launch_tiles<wgmma_sp_kernel<T, kRows, early()>, kRows, SpLayout<kRows>::kBytes,
-                              kThreads + kProducerThreads>(p, stream, splits, early(), maps);
-  });
+  return sm90::launch_early_or_not<kRows>(
+      p, splits,
+      [&](auto early) {
+        return sm90::launch_tiles<wgmma_sp_kernel<T, kRows, early()>, kRows, SpLayout<kRows>::kBytes,
+                                  kThreads + kProducerThreads>(p, stream, splits, early(), maps);
+      },
+      true);
 }
 
 // The regrouping kernel's launch: its packed values are copied by TMA without a swizzle (the

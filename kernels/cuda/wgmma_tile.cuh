@@ -636,11 +636,13 @@ cudaError_t clear_stream_k_flags(const PathParams<T>& p, cudaStream_t stream) {
 // blocks per SM are launched only where they fit, wgmma_sp.cu's two_per_sm_split): 1.03-1.17x at
 // 17-64 rows (BENCHMARKS.md, session 19). Grids of several waves keep the launch and the code they
 // had: a first version that changed their producer's code ran 0.78-0.97x at 4096 rows, and PDL
-// alone was not measured there. Never early where the previous kernel wrote the weight.
+// alone was not measured there. Where the previous kernel wrote the weight (p.weight_from_stream),
+// early only for kernels that then wait before copying it (`waits_for_weight`).
 template <int kRows, int kPerSm = 1, typename T, typename Launch>
-cudaError_t launch_early_or_not(const PathParams<T>& p, int splits, Launch&& launch) {
+cudaError_t launch_early_or_not(const PathParams<T>& p, int splits, Launch&& launch, bool waits_for_weight = false) {
   const int64_t blocks = launched_tiles(p, kRows);
-  const bool early = use_pdl() && !p.weight_from_stream && (kPerSm == 2 || blocks <= whole_sm_clusters(splits));
+  const bool early = use_pdl() && (waits_for_weight || !p.weight_from_stream) &&
+                     (kPerSm == 2 || blocks <= whole_sm_clusters(splits));
   return early ? launch(std::true_type{}) : launch(std::false_type{});
 }
 
