@@ -89,12 +89,12 @@
 //    34 (scratch/copy34.py, 9-16 rows on 4096 and 8192 x 1024, 2:8, 1:8, 1:4): the copy on the
 //    sparse tensor cores ran 1.77-3.00x the faster of decode and mma on the weight.
 //  * From staged_copy_from_rows rows (nm_matmul_cuda.h: 640-1024 by family where K is 4096-14336,
-//    else 2048), fp16/bf16 1:4, 2:8 and 1:8 weights that carry no 2:4
-//    copy have the sparse tensor cores read one staged in the call's workspace: one kernel writes
-//    it (two_of_four_copy.cu, at 79-99% of the copy bandwidth on the LLaMA projections on the H100,
-//    64-95% on the H200 since session 60), the 2:4 kernel reads it, where the regrouping kernel
-//    rebuilt the same 2:4 tiles in every block that read them (a weight tile once per activation
-//    tile). Session 40 (H100, ab_kernels --path
+//    else 2048), fp16/bf16 1:4, 2:8 and 1:8 weights that carry no 2:4 copy have the sparse tensor
+//    cores read one staged in the call's workspace: one kernel writes it (two_of_four_copy.cu, at
+//    79-99% of the copy bandwidth on the LLaMA projections on the H100, 64-95% on the H200 since
+//    session 60), the 2:4 kernel reads it, where the regrouping kernel rebuilt the same 2:4 tiles in
+//    every block that read them (a weight tile once per activation tile). Session 40 (H100,
+//    ab_kernels --path
 //    wgmma_sp against HEAD with the staging forced from 256 rows, 2:8, 1:8 and 1:4 on 4096 x 4096,
 //    11008 x 4096, 4096 x 14336 and 14336 x 4096): 0.72-0.95x at 512 rows, 0.96-1.15x at 1024
 //    (below 1 only on 11008 x 4096), 1.00-1.26x at 2048 and 1.04-1.28x at 4096. On narrow outputs it
