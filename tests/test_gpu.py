@@ -400,10 +400,10 @@ def test_device_two_of_four_copy_matches_the_host_one(rng, n, m, dtype_name, k, 
 def test_sparse_tensor_cores_stage_a_two_of_four_copy(rng, n, m, dtype_name, rows, k, nout):
     """Calls without a 2:4 copy on the sparse tensor cores: patterns their kernels regroup (1:4,
     2:8, 1:8) stage a copy in the workspace from staged_copy_from_rows rows (K of 4096-14336: 1:8
-    640, 1:4 768, 2:8 1024; else 2048) and kStagedCopyMinOutputs outputs (dispatch.cu; 600 x 4100 and
-    2100 x 240 do not, 1000 x 1030 at K = 4104 for 1:4 and 1:8 only, 2100 x 1000, 4100 x 130 and
-    3100 x 1030 do), the other patterns that fit 2:4 at any row count. Poisoned workspace and outputs, the float64 reference; K off the
-    64-position step and Nout off the 128-column tile."""
+    640, 1:4 640 to K = 5120 and 768 past it, 2:8 896; else 2048) and kStagedCopyMinOutputs outputs
+    (dispatch.cu; 600 x 4100 and 2100 x 240 do not, 1000 x 1030 at K = 4104, 2100 x 1000, 4100 x 130
+    and 3100 x 1030 do), the other patterns that fit 2:4 at any row count. Poisoned workspace and
+    outputs, the float64 reference; K off the 64-position step and Nout off the 128-column tile."""
     if not kernels.cuda_path_supported("wgmma_sp", rows, n, m, dtype_name, k):
         pytest.skip("no sm_90a device")
     pattern = NMPattern(n, m)

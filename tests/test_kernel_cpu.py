@@ -156,9 +156,11 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
         return -(-shape.nout * shape.row_len * 2 // 256) * 256 + shape.nout * shape.index_words * 4
 
     from_rows = {(n, m): _kernels.staged_copy_from_rows(n, m, 4096) for n, m in ((1, 4), (2, 8), (1, 8))}
-    assert from_rows == {(1, 4): 768, (2, 8): 1024, (1, 8): 640}
+    assert from_rows == {(1, 4): 640, (2, 8): 896, (1, 8): 640}
     assert {_kernels.staged_copy_from_rows(n, m, k) for n, m in from_rows for k in (4095, 14337)} == {2048}
-    assert {_kernels.staged_copy_from_rows(n, m, 14336) for n, m in from_rows} == {768, 1024, 640}
+    assert {(n, m): _kernels.staged_copy_from_rows(n, m, 5121) for n, m in from_rows} == {(1, 4): 768, (2, 8): 896,
+                                                                                        (1, 8): 640}
+    assert _kernels.staged_copy_from_rows(1, 4, 5120) == 640 and _kernels.staged_copy_from_rows(1, 4, 14336) == 768
     with pytest.raises(ValueError):
         _kernels.staged_copy_from_rows(2, 16, 4096)  # stages at any row count
     space = functools.partial(_kernels.cuda_workspace_bytes, path="wgmma_sp")
@@ -181,7 +183,7 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     assert _kernels.STAGED_COPY_MIN_OUTPUTS == 1 << 19
     assert space(1024, 2, 8, 4096, 512, "float16") == copy_bytes(4096, 512)  # 2^19 outputs
     assert space(1024, 2, 8, 4096, 504, "float16") == 0  # fewer, and 16 tiles: no stream-K either
-    assert space(1023, 2, 8, 4096, 2048, "float16") == 0  # 64 tiles: split over clusters
+    assert space(895, 2, 8, 4096, 2048, "float16") == 0  # 64 tiles: split over clusters
     assert space(640, 1, 8, 4096, 4096, "bfloat16") == copy_bytes(4096, 4096)
     assert space(639, 1, 8, 4096, 4096, "bfloat16") == stream_k  # 96 tiles, unstaged
     assert space(600, 1, 8, 4096, 6144, "bfloat16") == 0  # 144 tiles, unstaged

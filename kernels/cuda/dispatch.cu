@@ -88,7 +88,7 @@
 //    1 mostly on 4096x14336) and 1.37-1.70x from 48, so those take the copy from 9 rows. Session
 //    34 (scratch/copy34.py, 9-16 rows on 4096 and 8192 x 1024, 2:8, 1:8, 1:4): the copy on the
 //    sparse tensor cores ran 1.77-3.00x the faster of decode and mma on the weight.
-//  * From staged_copy_from_rows rows (nm_matmul_cuda.h: 640-1024 by family where K is 4096-14336,
+//  * From staged_copy_from_rows rows (nm_matmul_cuda.h: 640-896 by family where K is 4096-14336,
 //    else 2048), fp16/bf16 1:4, 2:8 and 1:8 weights that carry no 2:4 copy have the sparse tensor
 //    cores read one staged in the call's workspace: one kernel writes it (two_of_four_copy.cu, at
 //    79-99% of the copy bandwidth on the LLaMA projections on the H100, 64-95% on the H200 since
@@ -250,7 +250,12 @@ bool regrouped_in_kernel(int n, int m) {
 // 1024), so those keep 2048 rows, where it won 1.03-1.12x; on 4096 x 1024 (2.1M outputs) at 2048 rows
 // 1.01-1.07x, so the outputs go down to 2^19 (4096 x 1024 at 640 rows: 1.04x for 1:8). Session 41
 // (H100, before these launches) had found staging losing on narrow outputs (0.85-0.96x at 2.1M
-// outputs), hence 3 x 2^20 until session 63.
+// outputs), hence 3 x 2^20 until session 63. Session 64 (H200, the 2:4 kernel 1.02-1.12x faster at
+// 640-4096 rows with its offset words swizzled; the rule then against session 63's, same build):
+// 2:8 from 896 rows, not 1024: 1.02-1.17x at 896 on 9 of 10 shapes with K = 4096-8192, 0.97x on 5120
+// x 5120 (from 640 or 768 it still lost up to 0.94x on 4096 x 11008); 1:4 from 640 where K <= 5120:
+// 1.01-1.13x at 640 on six such shapes (0.99x on 4096 x 11008), but 0.91x on 8192 x 8192 and
+// 0.99-1.01x at K = 11008-14336, which keep 768.
 bool stages_copy(const CudaMatMul& c) {
   if (has_copy(c) || c.dtype == DType::f32 || !fits_two_of_four(c.shape.n, c.shape.m)) return false;
   if (!regrouped_in_kernel(c.shape.n, c.shape.m)) return true;

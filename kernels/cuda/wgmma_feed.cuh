@@ -289,12 +289,13 @@ __host__ __device__ bool offset_rows_aligned(const PathParams<T>& p) {
 }
 
 // A tensor map over the offset words (as 16-bit halves) whose boxes bring `words` words of kTileW
-// rows, where offset_rows_aligned(p) (the kernels copy them with cp.async otherwise); false where
-// the driver refuses it.
+// rows with `swizzle`, where offset_rows_aligned(p) (the kernels copy them with cp.async
+// otherwise); false where the driver refuses it.
 template <typename T>
-bool offsets_map(CUtensorMap* map, const PathParams<T>& p, int words) {
+bool offsets_map(CUtensorMap* map, const PathParams<T>& p, int words,
+                 CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
   return !offset_rows_aligned(p) || tile_map(map, p.indices, p.index_words * 2, p.nout, p.index_words * 2, words * 2,
-                                             kTileW, CU_TENSOR_MAP_SWIZZLE_NONE);
+                                             kTileW, swizzle);
 }
 
 // The maps of a kernel that copies a step's [kRows x kBK] activation tile (128-byte swizzle) and

@@ -58,8 +58,9 @@ constexpr int kMetaWords = kBK / 32;    // offset words per weight row per step 
 // A 2:4 step in shared memory: the activation tile [kRows x 64] (128-byte swizzle) and the stored
 // values [128 x 32] (64-byte swizzle); a ring of kStages steps, then the offset words in kSlots
 // slots of kBox steps (kMeta bytes a step): steps [kBox j, kBox j + kBox) of the call keep theirs in
-// slot j % kSlots, row r's words of step g of them at (r * kBox + g) * kMetaWords (a row's words for
-// the kBox steps together: one tensor-copy box); then one "full" and one "empty" barrier per stage.
+// slot j % kSlots, a 32-byte row of words a weight row (its kMetaWords words of the kBox steps: one
+// tensor-copy box) under the 32-byte swizzle (offset_bytes_in_box); then one "full" and one "empty"
+// barrier per stage.
 // A slot is written again kSlots boxes later, once the consumers have released a stage that they
 // release only after reading every step of the slot's last box.
 template <int kRows>
@@ -93,7 +94,19 @@ struct SpLayout {
   __host__ __device__ static constexpr uint32_t box_at(int t, int box_base = 0) {
     return static_cast<uint32_t>(kWords + (box_base + t / kBox) % kSlots * kBox * kMeta);
   }
-  __host__ __device__ static constexpr int word_in_box(int r, int t) { return (r * kBox + t % kBox) * kMetaWords; }
+  // Row r's kMetaWords words of step t, in bytes from its box: 32-byte rows, whose 16-byte halves
+  // rows 4-7 of every 8 hold swapped (the tensor map's 32-byte swizzle; the cp.async copies follow
+  // it). A consumer warp reads rows g and g + 8 for g = 0..7 (consume_tile): unswizzled, rows g and
+  // g + 4 lay 128 bytes apart, in the same banks, and each 4-byte read took two wavefronts (Nsight
+  // Compute, BENCHMARKS.md session 60: 9.5% of the kernel's shared-memory wavefronts at 4096^3).
+  // Swizzled, a step's two words of the 8 rows fill 16 banks: one 8-byte read, one wavefront.
+  // Session 64 (H200, ab_kernels against session 63's build, LLaMA projections with 4096 x 1024):
+  // 2:4 1.01-1.04x at 64-256 rows, 0.98-1.10x at 640-1024 (geometric mean 1.04x), 1.02-1.09x at
+  // 2048-4096; 2:8 on its staged copy 1.02-1.08x at 2048-4096.
+  static_assert(kBox * kMetaWords * 4 == 32, "a box row is one 32-byte swizzle span");
+  __host__ __device__ static constexpr uint32_t offset_bytes_in_box(int r, int t) {
+    return static_cast<uint32_t>(r * 32 + ((t % kBox * kMetaWords * 4) ^ ((r >> 2 & 1) << 4)));
+  }
   // Where stage s's activation tile and 2:4 tile lie, in bytes from the ring's start, and how far
   // apart those of consecutive stages of a group lie (consume, issue_steps).
   __host__ __device__ static constexpr uint32_t x_at(int s) { return static_cast<uint32_t>(s * kStage); }
@@ -278,7 +291,7 @@ struct TwoOfFourBlock {
 #pragma unroll
       for (int j = 0; j < kMetaRows; ++j) {
         const bool ok = meta_ok[j] && in_row;
-        sm90::cp_async8(ring + L::box_at(t, box_base) + L::word_in_box(lane + 32 * j, t) * 4,
+        sm90::cp_async8(ring + L::box_at(t, box_base) + L::offset_bytes_in_box(lane + 32 * j, t),
                         ok ? meta[j] + t * kMetaWords : p.indices, ok);
       }
       sm90::cp_async_arrive(full(s));
@@ -301,11 +314,12 @@ struct TwoOfFourBlock {
     auto read_step = [&](uint32_t (&m)[kMetaWords], int group_stage, int g, uint32_t phase, int t) {
       // Steps are read in order, so the box of step t landed with an earlier (or this) stage.
       sm90::mbarrier_wait(full(group_stage + g), phase);
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::box_at(t, box_base));
-#pragma unroll
-      for (int k = 0; k < kMetaWords; ++k)
-        m[k] = valid_metadata(__byte_perm(words[L::word_in_box(row, t) + k], words[L::word_in_box(row + 8, t) + k],
-                                          halves));
+      static_assert(kMetaWords == 2, "a row's words of a step: one 8-byte read");
+      const uint8_t* box = smem + L::box_at(t, box_base);
+      const uint2 low = *reinterpret_cast<const uint2*>(box + L::offset_bytes_in_box(row, t));
+      const uint2 high = *reinterpret_cast<const uint2*>(box + L::offset_bytes_in_box(row + 8, t));
+      m[0] = valid_metadata(__byte_perm(low.x, high.x, halves));
+      m[1] = valid_metadata(__byte_perm(low.y, high.y, halves));
     };
     return consume<L, kRows, std::is_same_v<T, __nv_bfloat16>>(acc, begin, end, ring, empty(0), wg, lane, read_step,
                                                                 group);
@@ -469,18 +483,27 @@ __global__ void __launch_bounds__(kThreads + kProducerThreads, 1)
   sm90::split_steps<L::kGroup>(p.groups * 4, begin, end);
   const int boxes = (end + L::kBox - 1) / L::kBox;  // box slots a tile's offset words take
   block.init_barriers();
-  // Launched as a programmatic dependent (launch_persistent): the set-up above overlaps the kernel
-  // before, whose outputs (the activations, a staged weight) everything below may read.
+  // Launched as a programmatic dependent (launch_persistent): the set-up above, and a constant
+  // weight's first copies below, overlap the kernel before, whose outputs (the activations, a
+  // staged weight) are read only after the wait.
   allow_next_kernel();
   const int64_t first = p.first_tile + blockIdx.x, last = p.first_tile + p.tile_count;
   if (warp >= kThreads / 32) {
     if (lane == 0) maps.prefetch(block.tensor_offsets);
-    wait_for_previous_kernel();
     sm90::RingSlot<L::kStages> slot{};
     int box_base = 0;
     for (int64_t t = first; t < last; t += gridDim.x, box_base += boxes) {
       const sm90::BlockTile tile = raster_tile_at<kRows>(p, t);
-      slot = block.template produce_tile<false>(p, maps, tile.w0, tile.rows, begin, end, lane, box_base, slot);
+      if (t == first && !p.weight_from_stream) {
+        // The weights are constants: the first tile's first ring of weight tiles goes out before
+        // the wait, which produce<kEarly> makes before the activations' copies (session 64, H200:
+        // 0.99-1.07x at the persistent points of the A/B above, geometric mean 1.016x, against
+        // 1.004x where the build runs the same code).
+        slot = block.template produce_tile<true>(p, maps, tile.w0, tile.rows, begin, end, lane, box_base);
+      } else {
+        if (t == first) wait_for_previous_kernel();  // a staged weight, too, is the kernel before's output
+        slot = block.template produce_tile<false>(p, maps, tile.w0, tile.rows, begin, end, lane, box_base, slot);
+      }
     }
     return;
   }
@@ -1005,7 +1028,7 @@ cudaError_t launch_two_of_four(const PathParams<T>& p, cudaStream_t stream, int 
   if (!tile_map(&maps.x, p.x, p.k, p.rows, p.k, kBK, sm90::activation_box_rows<kRows>(p.rows),
                 CU_TENSOR_MAP_SWIZZLE_128B) ||
       !tile_map(&maps.values, p.values, p.row_len, p.nout, p.row_len, kStored, kTileW, CU_TENSOR_MAP_SWIZZLE_64B) ||
-      !offsets_map(&maps.offsets, p, SpLayout<kRows>::kBox * kMetaWords))
+      !offsets_map(&maps.offsets, p, SpLayout<kRows>::kBox * kMetaWords, CU_TENSOR_MAP_SWIZZLE_32B))
     return cudaErrorInvalidValue;
   if constexpr (kRows == kPersistentRows) {
     const int64_t tiles = sm90::launched_tiles(p, kRows);
