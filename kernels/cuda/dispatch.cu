@@ -251,7 +251,8 @@ bool regrouped_in_kernel(int n, int m) {
 // 1.01-1.07x, so the outputs go down to 2^19 (4096 x 1024 at 640 rows: 1.04x for 1:8). Session 41
 // (H100, before these launches) had found staging losing on narrow outputs (0.85-0.96x at 2.1M
 // outputs), hence 3 x 2^20 until session 63. Session 64 (H200, the 2:4 kernel 1.02-1.12x faster at
-// 640-4096 rows with its offset words swizzled; the rule then against session 63's, same build):
+// 640-4096 rows with its offset words swizzled and the persistent kernel's early weight copies; the
+// rule then against session 63's, same kernels):
 // 2:8 from 896 rows, not 1024: 1.02-1.17x at 896 on 9 of 10 shapes with K = 4096-8192, 0.97x on 5120
 // x 5120 (from 640 or 768 it still lost up to 0.94x on 4096 x 11008); 1:4 from 640 where K <= 5120:
 // 1.01-1.13x at 640 on six such shapes (0.99x on 4096 x 11008), but 0.91x on 8192 x 8192 and
