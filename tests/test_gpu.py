@@ -304,6 +304,17 @@ PERSISTENT_CALLS = [
 ]
 
 
+@pytest.mark.parametrize("rows,k,persistent", [(3000, 5120, True), (3000, 5184, False)])
+def test_staged_copies_run_persistent_up_to_80_steps(rng, rows, k, persistent):
+    """A 2:8 call that stages its 2:4 copy runs the persistent 2:4 kernel up to 80 steps
+    (kPersistentMostStagedSteps, wgmma_sp.cu), a block a tile past them; right either way (float64
+    reference, poisoned outputs)."""
+    assert_forced_path_matches_reference(rng, 2, 8, "float16", rows, k, 4000, "wgmma_sp")
+    assert kernels.cuda_workspace_bytes(rows, 2, 8, k, 4000, "float16", path="wgmma_sp") > 0  # the staged copy
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert kernels.last_tile_plan()[-1] == persistent
+
+
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout,plan,persistent", PERSISTENT_CALLS)
 def test_persistent_two_of_four_kernel(rng, dtype_name, rows, k, nout, plan, persistent):

@@ -993,11 +993,17 @@ constexpr auto with_sp_family = [](int n, int m, auto&& fn) {
 // steps) 0.94-1.07x over three runs, at or under 1.00x on most 4096-row points: the fill and the
 // epilogue it hides are a smaller share of long tiles, and its fixed order of tiles loses to the
 // hardware's, which hands the next tile to whichever SM is free.
+// A staged 2:4 copy (p.weight_from_stream), which the persistent kernel cannot copy before its wait,
+// takes it only up to 80 steps: session 64 (H200, ab_kernels against the build that launches every
+// staged call a block a tile), 2:8, 1:4 and 1:8 at 1024-4096 rows: persistent 1.00-1.09x at K = 4096
+// and 5120 (4096 x 4096, 4096 x 11008, 4096 x 14336, 5120 x 13824) but 0.94-0.98x at K = 8192 (8192 x
+// 8192), where 2:4 itself is level.
 constexpr int kPersistentRows = 256;
-constexpr int64_t kPersistentMostSteps = 128;
+constexpr int64_t kPersistentMostSteps = 128, kPersistentMostStagedSteps = 80;
 template <typename T>
 bool persistent_grid(const PathParams<T>& p, int64_t tiles, int64_t steps) {
-  return tiles > multiprocessor_count() && steps <= kPersistentMostSteps && p.residual == nullptr &&
+  const int64_t most = p.weight_from_stream ? kPersistentMostStagedSteps : kPersistentMostSteps;
+  return tiles > multiprocessor_count() && steps <= most && p.residual == nullptr &&
          p.y.count == 1 && p.nout % 8 == 0 && reinterpret_cast<uintptr_t>(p.y.base[0]) % 16 == 0;
 }
 
