@@ -110,8 +110,8 @@ def paths_for(rows, pattern, dtype_name, k):
                                          # last wave's 12 split over clusters (launch_split), the last
                                          # activation tile overlapping the one before (K: partial step)
                                          (2300, 3000, 2000),
-                                         # 32 weight tiles of 4 x 160 rows (1:8 stages a 2:4 copy
-                                         # from 640 rows here; until session 51, stream-K
+                                         # 32 weight tiles of 4 x 160 rows (2:8 and 1:8 stage a 2:4
+                                         # copy from 640 rows here; until session 51, stream-K
                                          # over 3 x 256: test_regrouping_kernel_stream_k_when_forced)
                                          (640, 11000, 4000),
                                          # K split three ways over a cluster, the last block fewer steps
@@ -188,7 +188,7 @@ def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nou
 
 @pytest.mark.parametrize("n,m", [(1, 4), (1, 8), (2, 8)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows,k,nout", [(640, 11264, 4000), (300, 4096, 1030), (100, 2048, 520), (40, 4096, 1000),
+@pytest.mark.parametrize("rows,k,nout", [(639, 11264, 4000), (300, 4096, 1030), (100, 2048, 520), (40, 4096, 1000),
                                          (150, 5120, 6000), (150, 11264, 4104), (330, 5120, 3000)])
 def test_regrouping_kernel_copies_offset_words_by_tensor_copy(rng, n, m, dtype_name, rows, k, nout):
     """The regrouping kernel where rows of offset words are 16-byte multiples (K a multiple of 1024
@@ -212,7 +212,7 @@ import numpy as np
 sys.path[:0] = [sys.argv[2], sys.argv[1]]
 from test_gpu import assert_forced_path_matches_reference, kernels
 rng = np.random.default_rng(53)
-for rows, k, nout in [(640, 11000, 4000), (640, 11264, 4000)]:
+for rows, k, nout in [(639, 11000, 4000), (639, 11264, 4000)]:
     for n, m in [(1, 4), (2, 8), (1, 8)]:
         for dtype_name in ["float16", "bfloat16"]:
             assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
@@ -227,7 +227,7 @@ def test_regrouping_kernel_stream_k_when_forced():
     plans): forced through NMCLI_TILE_PLAN, 1:4, 2:8 and 1:8 in fp16 and bf16, K a partial step past
     171 (offset words by cp.async) and a multiple of 1024 (by tensor copy), against the float64
     reference with poisoned outputs; the launch must have taken stream-K."""
-    if not kernels.cuda_path_supported("wgmma_sp", 640, 2, 8, "float16", 11000):
+    if not kernels.cuda_path_supported("wgmma_sp", 639, 2, 8, "float16", 11000):
         pytest.skip("no sm_90a device")
     if torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("the stream-K grid is sized for 132 SMs")
@@ -411,7 +411,8 @@ def test_device_two_of_four_copy_matches_the_host_one(rng, n, m, dtype_name, k, 
 def test_sparse_tensor_cores_stage_a_two_of_four_copy(rng, n, m, dtype_name, rows, k, nout):
     """Calls without a 2:4 copy on the sparse tensor cores: patterns their kernels regroup (1:4,
     2:8, 1:8) stage a copy in the workspace from staged_copy_from_rows rows (K of 4096-14336: 1:8
-    640, 1:4 640 to K = 5120 and 768 past it, 2:8 896; else 2048) and kStagedCopyMinOutputs outputs
+    640, 1:4 640 to K = 5120 and 768 past it, 2:8 640 below 2^26 weights and 896 from them; else
+    2048) and kStagedCopyMinOutputs outputs
     (dispatch.cu; 600 x 4100 and 2100 x 240 do not, 1000 x 1030 at K = 4104, 2100 x 1000, 4100 x 130
     and 3100 x 1030 do), the other patterns that fit 2:4 at any row count. Poisoned workspace and
     outputs, the float64 reference; K off the 64-position step and Nout off the 128-column tile."""
@@ -422,7 +423,7 @@ def test_sparse_tensor_cores_stage_a_two_of_four_copy(rng, n, m, dtype_name, row
     need = kernels.cuda_workspace_bytes(rows, n, m, k, nout, dtype_name, path="wgmma_sp")
     copy_bytes = PackedShape(k, nout, NMPattern(2, 4)).packed_bytes(2)
     regrouped = (n, m) in [(1, 4), (2, 8), (1, 8)]
-    staged = regrouped and rows >= kernels.staged_copy_from_rows(n, m, k) and rows * nout >= kernels.STAGED_COPY_MIN_OUTPUTS
+    staged = regrouped and rows >= kernels.staged_copy_from_rows(n, m, k, nout) and rows * nout >= kernels.STAGED_COPY_MIN_OUTPUTS
     # Unstaged regrouped calls with fewer 256-row tiles than SMs (but more than half as many) keep
     # room for stream-K instead.
     sms = torch.cuda.get_device_properties(0).multi_processor_count

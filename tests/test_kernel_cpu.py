@@ -155,16 +155,20 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
         shape = PackedShape(k, nout, NMPattern(2, 4))
         return -(-shape.nout * shape.row_len * 2 // 256) * 256 + shape.nout * shape.index_words * 4
 
-    from_rows = {(n, m): _kernels.staged_copy_from_rows(n, m, 4096) for n, m in ((1, 4), (2, 8), (1, 8))}
-    assert from_rows == {(1, 4): 640, (2, 8): 896, (1, 8): 640}
-    assert {_kernels.staged_copy_from_rows(n, m, k) for n, m in from_rows for k in (4095, 14337)} == {2048}
-    assert {(n, m): _kernels.staged_copy_from_rows(n, m, 5121) for n, m in from_rows} == {(1, 4): 768, (2, 8): 896,
-                                                                                        (1, 8): 640}
-    assert _kernels.staged_copy_from_rows(1, 4, 5120) == 640 and _kernels.staged_copy_from_rows(1, 4, 14336) == 768
+    from_rows = {(n, m): _kernels.staged_copy_from_rows(n, m, 4096, 4096) for n, m in ((1, 4), (2, 8), (1, 8))}
+    assert from_rows == {(1, 4): 640, (2, 8): 640, (1, 8): 640}
+    assert {_kernels.staged_copy_from_rows(n, m, k, 4096) for n, m in from_rows for k in (4095, 14337)} == {2048}
+    assert {(n, m): _kernels.staged_copy_from_rows(n, m, 5121, 4096) for n, m in from_rows} == {(1, 4): 768, (2, 8): 640,
+                                                                                              (1, 8): 640}
+    assert _kernels.staged_copy_from_rows(1, 4, 5120, 4096) == 640 and _kernels.staged_copy_from_rows(1, 4, 14336, 4096) == 768
+    # 2:8 on weights of 2^26 entries or more (K x Nout: 8192 x 8192, 5120 x 13824) from 896
+    large = {(n, m): _kernels.staged_copy_from_rows(n, m, 8192, 8192) for n, m in from_rows}
+    assert large == {(1, 4): 768, (2, 8): 896, (1, 8): 640}
+    assert _kernels.staged_copy_from_rows(2, 8, 4096, 16383) == 640 and _kernels.staged_copy_from_rows(2, 8, 4096, 16384) == 896
     with pytest.raises(ValueError):
-        _kernels.staged_copy_from_rows(2, 16, 4096)  # stages at any row count
+        _kernels.staged_copy_from_rows(2, 16, 4096, 4096)  # stages at any row count
     space = functools.partial(_kernels.cuda_workspace_bytes, path="wgmma_sp")
-    stream_k = space(640, 2, 8, 11008, 4096, "float16")  # 96 tiles of 256 rows
+    stream_k = space(639, 2, 8, 11008, 4096, "float16")  # 96 tiles of 256 rows, below the staged copy
     sms = stream_k // (256 * 128 * 4)  # the device's, or the 132 assumed without one
     assert sms > 96 and stream_k == -(-sms * 4 // 256) * 256 + sms * 256 * 128 * 4
     assert space(64, 2, 8, 11008, 4096, "float16") == 0  # 64 rows: no stream-K
@@ -183,7 +187,8 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     assert _kernels.STAGED_COPY_MIN_OUTPUTS == 1 << 19
     assert space(1024, 2, 8, 4096, 512, "float16") == copy_bytes(4096, 512)  # 2^19 outputs
     assert space(1024, 2, 8, 4096, 504, "float16") == 0  # fewer, and 16 tiles: no stream-K either
-    assert space(895, 2, 8, 4096, 2048, "float16") == 0  # 64 tiles: split over clusters
+    assert space(639, 2, 8, 4096, 2048, "float16") == 0  # 48 tiles: split over clusters
+    assert space(640, 2, 8, 4096, 2048, "float16") == copy_bytes(4096, 2048)
     assert space(640, 1, 8, 4096, 4096, "bfloat16") == copy_bytes(4096, 4096)
     assert space(639, 1, 8, 4096, 4096, "bfloat16") == stream_k  # 96 tiles, unstaged
     assert space(600, 1, 8, 4096, 6144, "bfloat16") == 0  # 144 tiles, unstaged
@@ -193,8 +198,8 @@ def test_cuda_workspace_holds_a_staged_two_of_four_copy():
     assert space(2100, 2, 8, 100, 1600, "float16", "silu") == -(-gated // 256) * 256 + copy_bytes(100, 1600)
     assert space(2100, 2, 8, 100, 1600, "float16", norm=True) == -(-gated // 256) * 256 + copy_bytes(100, 1600)
     assert _kernels.cuda_workspace_bytes(2100, 2, 8, 100, 1600, "float16", "silu", "mma") == gated
-    gated_640 = 640 * 11008 * 2  # ... or the stream-K room
-    assert space(640, 2, 8, 11008, 4096, "float16", "silu") == -(-gated_640 // 256) * 256 + stream_k
+    gated_639 = 639 * 11008 * 2  # ... or the stream-K room
+    assert space(639, 2, 8, 11008, 4096, "float16", "silu") == -(-gated_639 // 256) * 256 + stream_k
 
 
 def test_library_reports_cuda_when_built_with_nvcc():

@@ -62,12 +62,12 @@ CudaPath parse_path(const std::string& name) {
 void register_cuda_bindings(py::module_& mod) {
   mod.attr("HAS_CUDA") = true;
   mod.def(
-      "staged_copy_from_rows", [](int n, int m, int64_t k) -> int64_t {
+      "staged_copy_from_rows", [](int n, int m, int64_t k, int64_t nout) -> int64_t {
         if (!((n == 1 && (m == 4 || m == 8)) || (n == 2 && m == 8)))
           throw std::invalid_argument("the rule is for 1:4, 2:8 and 1:8 (other patterns that fit 2:4 stage at any row count)");
-        return staged_copy_from_rows(n, m, k);
+        return staged_copy_from_rows(n, m, k, nout);
       },
-      py::arg("n"), py::arg("m"), py::arg("k"),
+      py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"),
       "Rows from which calls of 1:4, 2:8 and 1:8 without a 2:4 copy stage one on the sparse tensor cores.");
   mod.attr("STAGED_COPY_MIN_OUTPUTS") = kStagedCopyMinOutputs;
   mod.def(

@@ -46,12 +46,14 @@ struct CudaMatMul {
 // From how many rows, and from kStagedCopyMinOutputs outputs (rows x Nout), the sparse tensor cores
 // read 1:4, 2:8 and 1:8 weights that carry no 2:4 copy as one staged in the call's workspace
 // (kernels/cuda/dispatch.cu, stages_copy): where 4096 <= K <= 14336, 1:8 from 640 rows, 1:4 from
-// 640 (K <= 5120) or 768, and 2:8 from 896; other K from 2048.
+// 640 (K <= 5120) or 768, and 2:8 from 640 (896 on weights of kStagedTwoOfEightLargeWeights or
+// more, K x Nout); other K from 2048.
 constexpr int64_t kStagedCopyMinOutputs = int64_t{1} << 19;
 constexpr int64_t kStagedCopyEarlyMinK = 4096, kStagedCopyEarlyMaxK = 14336;
-inline int64_t staged_copy_from_rows(int n, int m, int64_t k) {
+constexpr int64_t kStagedTwoOfEightLargeWeights = int64_t{1} << 26;
+inline int64_t staged_copy_from_rows(int n, int m, int64_t k, int64_t nout) {
   if (k < kStagedCopyEarlyMinK || k > kStagedCopyEarlyMaxK) return 2048;
-  if (n == 2) return 896;
+  if (n == 2) return k * nout >= kStagedTwoOfEightLargeWeights ? 896 : 640;
   return m == 8 || k <= 5120 ? 640 : 768;
 }
 

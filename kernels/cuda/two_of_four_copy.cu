@@ -9,6 +9,7 @@ namespace nmcli {
 namespace {
 
 constexpr int kCopyThreads = 128;
+constexpr int kCopyBlocksPerSm = 16;  // 2048 threads an SM: at most 32 registers a thread
 constexpr size_t kCopyPartAlign = 256;  // the copy's offset words start this far into the buffer, at least
 
 // Grids of these kernels: x along a weight row's words (or blocks) of the copy, y along the rows
@@ -59,6 +60,73 @@ __device__ __forceinline__ void load_entries(const uint16_t* at, uint32_t (&word
   }
 }
 
+// One word of the copy (32 positions from `first`) from its kE entries (`entries`, 16-bit values
+// in words) and their offsets (`offsets`, in entry order): its 8 blocks' value pairs and their
+// offset fields. kFull: the word lies wholly inside K (every word of a row but maybe its last),
+// which takes the tests for positions past K out of the group walk.
+template <int kN, int kM, bool kFull>
+__device__ __forceinline__ void copy_word(const uint32_t (&entries)[(32 / kM * kN + 1) / 2], uint32_t offsets,
+                                          int64_t first, const NMShape& shape, uint32_t (&pairs)[8], uint32_t& word) {
+  constexpr int kGroups = 32 / kM, kBits = index_bits(kM);
+  word = 0;
+  if constexpr (kM <= 4) {  // a block of 4 positions holds two groups (1:2) or one (1:4)
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      constexpr int kPerBlock = 4 / kM;  // entries a block: groups 2b and 2b + 1 (1:2), group b (1:4)
+      int found = 0;
+      uint32_t at0 = 0, at1 = 0, value0 = 0, value1 = 0;
+#pragma unroll
+      for (int s = 0; s < kPerBlock; ++s) {
+        const int e = kPerBlock * b + s;
+        const uint32_t at = kM == 2 ? 2 * s + (offsets >> e & 1u) : offsets >> (e * kBits) & 3u;
+        const bool here = first + 4 * b + at < shape.k;
+        const uint32_t value = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
+        if (here && found == 0) at0 = at, value0 = value;
+        if (here && found == 1) at1 = at, value1 = value;
+        found += here;
+      }
+      uint32_t fields = 0;
+      pairs[b] = 0;
+      if (first + 4 * b < shape.k) copy_block(found, at0, value0, at1, value1, pairs[b], fields);  // else row padding
+      word |= fields << (4 * b);
+    }
+  } else {
+    // Group by group (M >= 8): its kN <= 2 entries (in position order) each fall in the block
+    // their offset's high bits name, so each of its kM / 4 blocks holds both, one or none.
+    // Session 60 (H200, scripts/two_of_four_copy_time.py): against walking every block's entries,
+    // as 1:2 and 1:4 still do, 2:8 1.04-1.14x, 1:8 1.12-1.17x, 2:16 1.12-1.21x (2:8 from 41-71% to
+    // 47-79% of the copy bandwidth); 1:4 ran 0.84-0.90x this way, so it keeps the block walk.
+    constexpr int kBlocksPerGroup = kM / 4;
+    const int64_t past = shape.k - first;  // positions of the word inside K: 0..32
+    const uint32_t inside = kFull ? 32u : past <= 0 ? 0u : past >= 32 ? 32u : static_cast<uint32_t>(past);
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      uint32_t at[2] = {0, 0}, value[2] = {0, 0};
+      bool valid[2] = {false, false};
+#pragma unroll
+      for (int s = 0; s < kN; ++s) {
+        const int e = g * kN + s;
+        at[s] = offsets >> (e * kBits) & ((1u << kBits) - 1u);
+        value[s] = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
+        valid[s] = g * kM + at[s] < inside;  // entries of a partial last group past K hold nothing
+      }
+#pragma unroll
+      for (int q = 0; q < kBlocksPerGroup; ++q) {  // selects, not branches: the cases diverge in a warp
+        const int b = g * kBlocksPerGroup + q;
+        const bool in0 = valid[0] && at[0] >> 2 == static_cast<uint32_t>(q);
+        const bool in1 = kN == 2 && valid[1] && at[1] >> 2 == static_cast<uint32_t>(q);
+        // copy_block's rule as selects: a lone entry at offset a pairs with position 1 (a = 0) or 0
+        const uint32_t one_at = (in0 ? at[0] : at[1]) & 3, one_value = in0 ? value[0] : value[1];
+        const uint32_t one_pair = one_at == 0 ? one_value : one_value << 16, one_fields = one_at == 0 ? 1u << 2 : one_at << 2;
+        const bool padding = 4 * b >= static_cast<int>(inside);
+        pairs[b] = padding ? 0u : in0 && in1 ? value[0] | value[1] << 16 : in0 || in1 ? one_pair : 0u;
+        const uint32_t fields = in0 && in1 ? (at[0] & 3) | (at[1] & 3) << 2 : in0 || in1 ? one_fields : 1u << 2;
+        word |= (padding ? 0u : fields) << (4 * b);
+      }
+    }
+  }
+}
+
 // Patterns whose groups tile a word of the copy (M in {2, 4, 8, 16, 32}: 32 / M whole groups, kE
 // entries): one thread per word, which loads its entries and their offsets in one or two reads
 // each and writes 16 values and one offset word. With M = 2 (1:2) a block of 4 positions holds
@@ -66,82 +134,58 @@ __device__ __forceinline__ void load_entries(const uint16_t* at, uint32_t (&word
 // per block ran too slowly to stage); with M >= 4 a group holds kM / 4 blocks. The rows hold enough
 // entries: a row of the copy has 2 * ceil(K / 64) words, whose entries 64 * N / M * ceil(K / 64)
 // never pass the stored row length round_up(ceil(K / M) * N, 32).
+// Session 65 (H200, scripts/two_of_four_copy_time.py; Nsight Compute had the SM issuing on 80% of
+// its cycles, L2 80% busy, 43 registers a thread and so 62% occupancy for 2:8), for M >= 8 three
+// changes together (kWarpRuns): 32 registers a thread (kCopyBlocksPerSm), the full-word group walk
+// (copy_word<kFull>) and each warp's values leaving through shared memory in two 512-byte runs,
+// not 16-byte pieces 32 bytes apart: 2:8 1.21-1.55x (57-80% of the copy bandwidth to 88-98%), 2:16
+// 1.42-1.65x, 2:32 1.41-1.74x, 1:8 1.00-1.16x on 4096 x 4096, 4096 x 14336, 14336 x 4096 and 4096
+// x 1024. 1:4 and 1:2 ran 0.97-1.05x that way (and 1:4's staged calls 0.97-1.00x), so they keep
+// the plain form, in the same PTX as before (a minimum of 0 blocks leaves ptxas its own budget).
 template <int kN, int kM>
-__global__ void __launch_bounds__(kCopyThreads)
+__global__ void __launch_bounds__(kCopyThreads, kM >= 8 ? kCopyBlocksPerSm : 0)
     two_of_four_copy_words(const uint16_t* values, const uint32_t* indices, NMShape shape, int words_per_row,
                            uint32_t* copy_values, uint32_t* copy_indices) {
   constexpr int kGroups = 32 / kM, kE = kGroups * kN, kBits = index_bits(kM);
+  constexpr bool kWarpRuns = kM >= 8;
   static_assert(kM >= 8 || kN == 1, "of M = 2 and 4, 1:2 and 1:4 (2:4 takes no copy)");
+  __shared__ uint4 warp_values[kWarpRuns ? 2 * kCopyThreads : 1];  // each warp's 32 words of values, in order
   allow_next_kernel();  // the sparse tensor cores' kernel may set up while the copy runs
   const int w = blockIdx.x * kCopyThreads + threadIdx.x;
-  if (w >= words_per_row) return;
+  const int lane = threadIdx.x & 31, warp_first = w - lane;
+  const bool live = w < words_per_row;  // with kWarpRuns, lanes past the row still take part in the stores
+  if (!kWarpRuns && !live) return;
+  const int pieces = 2 * (words_per_row - warp_first);  // 16-byte pieces of values the warp writes (of 64)
+  uint4* staged = warp_values + 2 * (threadIdx.x - lane);
   const int64_t first = 32 * static_cast<int64_t>(w);  // the word's first position
   for (int64_t col = blockIdx.y; col < shape.nout; col += gridDim.y) {
-    uint32_t entries[(kE + 1) / 2];
-    load_entries<kE>(values + col * shape.row_len + static_cast<int64_t>(w) * kE, entries);
-    const uint32_t offsets = read_bits(indices + col * shape.index_words, first / kM * kN * kBits, kE * kBits);
-    uint32_t pairs[8], word = 0;
-    if constexpr (kM <= 4) {  // a block of 4 positions holds two groups (1:2) or one (1:4)
-#pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        constexpr int kPerBlock = 4 / kM;  // entries a block: groups 2b and 2b + 1 (1:2), group b (1:4)
-        int found = 0;
-        uint32_t at0 = 0, at1 = 0, value0 = 0, value1 = 0;
-#pragma unroll
-        for (int s = 0; s < kPerBlock; ++s) {
-          const int e = kPerBlock * b + s;
-          const uint32_t at = kM == 2 ? 2 * s + (offsets >> e & 1u) : offsets >> (e * kBits) & 3u;
-          const bool here = first + 4 * b + at < shape.k;
-          const uint32_t value = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
-          if (here && found == 0) at0 = at, value0 = value;
-          if (here && found == 1) at1 = at, value1 = value;
-          found += here;
-        }
-        uint32_t fields = 0;
-        pairs[b] = 0;
-        if (first + 4 * b < shape.k) copy_block(found, at0, value0, at1, value1, pairs[b], fields);  // else row padding
-        word |= fields << (4 * b);
-      }
-    } else {
-      // Group by group (M >= 8): its kN <= 2 entries (in position order) each fall in the block
-      // their offset's high bits name, so each of its kM / 4 blocks holds both, one or none.
-      // Session 60 (H200, scripts/two_of_four_copy_time.py): against walking every block's entries,
-      // as 1:2 and 1:4 still do, 2:8 1.04-1.14x, 1:8 1.12-1.17x, 2:16 1.12-1.21x (2:8 from 41-71% to
-      // 47-79% of the copy bandwidth); 1:4 ran 0.84-0.90x this way, so it keeps the block walk.
-      constexpr int kBlocksPerGroup = kM / 4;
-      const int64_t past = shape.k - first;  // positions of the word inside K: 0..32
-      const uint32_t inside = past <= 0 ? 0u : past >= 32 ? 32u : static_cast<uint32_t>(past);
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-        uint32_t at[2] = {0, 0}, value[2] = {0, 0};
-        bool valid[2] = {false, false};
-#pragma unroll
-        for (int s = 0; s < kN; ++s) {
-          const int e = g * kN + s;
-          at[s] = offsets >> (e * kBits) & ((1u << kBits) - 1u);
-          value[s] = entries[e / 2] >> (16 * (e % 2)) & 0xffffu;
-          valid[s] = g * kM + at[s] < inside;  // entries of a partial last group past K hold nothing
-        }
-#pragma unroll
-        for (int q = 0; q < kBlocksPerGroup; ++q) {  // selects, not branches: the cases diverge in a warp
-          const int b = g * kBlocksPerGroup + q;
-          const bool in0 = valid[0] && at[0] >> 2 == static_cast<uint32_t>(q);
-          const bool in1 = kN == 2 && valid[1] && at[1] >> 2 == static_cast<uint32_t>(q);
-          // copy_block's rule as selects: a lone entry at offset a pairs with position 1 (a = 0) or 0
-          const uint32_t one_at = (in0 ? at[0] : at[1]) & 3, one_value = in0 ? value[0] : value[1];
-          const uint32_t one_pair = one_at == 0 ? one_value : one_value << 16, one_fields = one_at == 0 ? 1u << 2 : one_at << 2;
-          const bool padding = 4 * b >= static_cast<int>(inside);
-          pairs[b] = padding ? 0u : in0 && in1 ? value[0] | value[1] << 16 : in0 || in1 ? one_pair : 0u;
-          const uint32_t fields = in0 && in1 ? (at[0] & 3) | (at[1] & 3) << 2 : in0 || in1 ? one_fields : 1u << 2;
-          word |= (padding ? 0u : fields) << (4 * b);
-        }
-      }
+    uint32_t pairs[8] = {}, word = 0;
+    if (live) {
+      uint32_t entries[(kE + 1) / 2];
+      load_entries<kE>(values + col * shape.row_len + static_cast<int64_t>(w) * kE, entries);
+      const uint32_t offsets = read_bits(indices + col * shape.index_words, first / kM * kN * kBits, kE * kBits);
+      if (kM >= 8 && shape.k - first >= 32)
+        copy_word<kN, kM, true>(entries, offsets, first, shape, pairs, word);
+      else
+        copy_word<kN, kM, false>(entries, offsets, first, shape, pairs, word);
+    }
+    if constexpr (kWarpRuns) {
+      __syncwarp();  // the warp's stores of the previous row have read its values
+      staged[2 * lane] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+      staged[2 * lane + 1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+      __syncwarp();
     }
     wait_for_previous_kernel();  // the workspace may still be read by the kernel before (the last call's)
-    uint4* out = reinterpret_cast<uint4*>(copy_values + col * (8 * static_cast<int64_t>(words_per_row)) + 8 * w);
-    out[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-    out[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
-    copy_indices[col * words_per_row + w] = word;
+    uint4* row = reinterpret_cast<uint4*>(copy_values + col * (8 * static_cast<int64_t>(words_per_row)));
+    if constexpr (kWarpRuns) {
+      if (lane < pieces) row[2 * warp_first + lane] = staged[lane];
+      if (lane + 32 < pieces) row[2 * warp_first + 32 + lane] = staged[lane + 32];
+    } else {
+      uint4* out = reinterpret_cast<uint4*>(copy_values + col * (8 * static_cast<int64_t>(words_per_row)) + 8 * w);
+      out[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+      out[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+    }
+    if (live) copy_indices[col * words_per_row + w] = word;
   }
 }
 
