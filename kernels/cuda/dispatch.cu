@@ -92,7 +92,7 @@
 //    is 4096-14336, else 2048), fp16/bf16 1:4, 2:8 and 1:8 weights that carry no 2:4 copy have the
 //    sparse tensor cores read one staged in the call's workspace: one kernel writes it
 //    (two_of_four_copy.cu, at 79-99% of the copy bandwidth on the LLaMA projections on the H100,
-//    85-100% on the H200 since session 65 but on 4096 x 1024), the 2:4 kernel reads it, where the
+//    86-99% on the H200 since session 65 but on 4096 x 1024), the 2:4 kernel reads it, where the
 //    regrouping kernel rebuilt the same 2:4 tiles in every block that read them (a weight tile once
 //    per activation tile). Session 40 (H100, ab_kernels --path wgmma_sp against HEAD with the
 //    staging forced from 256 rows, 2:8, 1:8 and 1:4 on 4096 x 4096, 11008 x 4096, 4096 x 14336 and
