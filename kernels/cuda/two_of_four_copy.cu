@@ -176,12 +176,13 @@ __global__ void __launch_bounds__(kCopyThreads, kM >= 8 ? kCopyBlocksPerSm : 0)
       __syncwarp();
     }
     wait_for_previous_kernel();  // the workspace may still be read by the kernel before (the last call's)
-    uint4* row = reinterpret_cast<uint4*>(copy_values + col * (8 * static_cast<int64_t>(words_per_row)));
+    uint32_t* row = copy_values + col * (8 * static_cast<int64_t>(words_per_row));
     if constexpr (kWarpRuns) {
-      if (lane < pieces) row[2 * warp_first + lane] = staged[lane];
-      if (lane + 32 < pieces) row[2 * warp_first + 32 + lane] = staged[lane + 32];
+      uint4* pieces_out = reinterpret_cast<uint4*>(row);
+      if (lane < pieces) pieces_out[2 * warp_first + lane] = staged[lane];
+      if (lane + 32 < pieces) pieces_out[2 * warp_first + 32 + lane] = staged[lane + 32];
     } else {
-      uint4* out = reinterpret_cast<uint4*>(copy_values + col * (8 * static_cast<int64_t>(words_per_row)) + 8 * w);
+      uint4* out = reinterpret_cast<uint4*>(row + 8 * w);
       out[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
       out[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
     }
