@@ -96,10 +96,10 @@
 //    regrouping kernel rebuilt the same 2:4 tiles in every block that read them (a weight tile once
 //    per activation tile). Session 40 (H100, ab_kernels --path wgmma_sp against HEAD with the
 //    staging forced from 256 rows, 2:8, 1:8 and 1:4 on 4096 x 4096, 11008 x 4096, 4096 x 14336 and
-//    14336 x 4096): 0.72-0.95x at 512 rows, 0.96-1.15x at 1024
-//    (below 1 only on 11008 x 4096), 1.00-1.26x at 2048 and 1.04-1.28x at 4096. On narrow outputs it
-//    lost or tied (session 41: 0.85-0.96x at 2.1M output entries, 0.95-1.04x at 1M), so it also needs
-//    rows x Nout of kStagedCopyMinOutputs (3 x 2^20). Session 55 moved it from 1024 rows, where the
+//    14336 x 4096): 0.72-0.95x at 512 rows, 0.96-1.15x at 1024 (below 1 only on 11008 x 4096),
+//    1.00-1.26x at 2048 and 1.04-1.28x at 4096. On narrow outputs it lost or tied (session 41:
+//    0.85-0.96x at 2.1M output entries, 0.95-1.04x at 1M), so it also needs rows x Nout of
+//    kStagedCopyMinOutputs (3 x 2^20 then, 2^19 since session 63). Session 55 moved it from 1024 rows, where the
 //    regrouping kernel (faster since session 40) had come to beat the staged copy (H100, ab_kernels
 //    --path auto against a build that never stages, on 4096 x 4096, 11008 x 4096, 4096 x 11008,
 //    4096 x 14336 and 14336 x 4096): at 1024 rows the regrouping kernel ran 1.06-1.16x the staged
@@ -252,20 +252,20 @@ bool regrouped_in_kernel(int n, int m) {
 // (H100, before these launches) had found staging losing on narrow outputs (0.85-0.96x at 2.1M
 // outputs), hence 3 x 2^20 until session 63. Session 64 (H200, the 2:4 kernel 1.02-1.12x faster at
 // 640-4096 rows with its offset words swizzled and the persistent kernel's early weight copies; the
-// rule then against session 63's, same kernels):
-// 2:8 from 896 rows, not 1024: 1.02-1.17x at 896 on 9 of 10 shapes with K = 4096-8192, 0.97x on 5120
-// x 5120 (from 640 or 768 it still lost up to 0.94x on 4096 x 11008); 1:4 from 640 where K <= 5120:
-// 1.01-1.13x at 640 on six such shapes (0.99x on 4096 x 11008), but 0.91x on 8192 x 8192 and
-// 0.99-1.01x at K = 11008-14336, which kept 768. Session 65 (H200, the copy's kernel 1.21-1.55x
-// faster for 2:8; ab_kernels --path auto, a build staging from 256 rows against session 64's build
-// and rule, on the six LLaMA projections with 4096 x 1024): at 640-768
-// rows 2:8 1.03-1.25x, 1:4 0.98-1.15x (1.11x and 1.15x at 640 on 11008 x 4096 and 14336 x 4096), 1:8
-// 1.00-1.05x; at 512 rows 0.81-0.98x but on 4096 x 1024 (1.07-1.17x), at 256 0.67-1.04x. So 2:8
-// stages from 640, but on weights of 2^26 entries or more (K x Nout), which keep 896: against the
-// regrouping kernel at 640-768 rows 0.94x on 8192 x 8192 and 0.92-0.98x on 5120 x 13824, where the
-// weights up to 4096 x 14336 (58.7M) and 14336 x 4096 took 1.03-1.25x. 1:4 at 640 past K = 5120
-// measured 1.11-1.15x on 11008 x 4096 and 14336 x 4096 in that run but 1.00x and 0.95x in two
-// others (the regrouping kernel's time moved by up to 20% between runs), so it keeps 768 there.
+// rule then against session 63's, same kernels): 2:8 from 896 rows, not 1024: 1.02-1.17x at 896 on
+// 9 of 10 shapes with K = 4096-8192, 0.97x on 5120 x 5120 (from 640 or 768 it still lost up to 0.94x
+// on 4096 x 11008); 1:4 from 640 where K <= 5120: 1.01-1.13x at 640 on six such shapes (0.99x on
+// 4096 x 11008), but 0.91x on 8192 x 8192 and 0.99-1.01x at K = 11008-14336, which kept 768.
+// Session 65 (H200, the copy's kernel 1.21-1.55x faster for 2:8; ab_kernels --path auto, a build
+// staging from 256 rows against session 64's build and rule, on the six LLaMA projections with 4096
+// x 1024): at 640-768 rows 2:8 1.03-1.25x, 1:4 0.98-1.15x (1.11x and 1.15x at 640 on 11008 x 4096
+// and 14336 x 4096), 1:8 1.00-1.05x; at 512 rows 0.81-0.98x but on 4096 x 1024 (1.07-1.17x), at 256
+// 0.67-1.04x. So 2:8 stages from 640, but on weights of 2^26 entries or more (K x Nout), which keep
+// 896: against the regrouping kernel at 640-768 rows 0.94x on 8192 x 8192 and 0.92-0.98x on 5120 x
+// 13824, where the weights up to 4096 x 14336 (58.7M) and 14336 x 4096 took 1.03-1.25x. 1:4 at 640
+// past K = 5120 measured 1.11-1.15x on 11008 x 4096 and 14336 x 4096 in that run but 1.00x and
+// 0.95x in two others (the regrouping kernel's time moved by up to 20% between runs), so it keeps
+// 768 there.
 bool stages_copy(const CudaMatMul& c) {
   if (has_copy(c) || c.dtype == DType::f32 || !fits_two_of_four(c.shape.n, c.shape.m)) return false;
   if (!regrouped_in_kernel(c.shape.n, c.shape.m)) return true;
