@@ -10,8 +10,10 @@ Method (the same for every number we publish):
   * cuBLAS runs once per timed pattern, and every pattern of a shape and row count is compared
     with the median of those runs (dense work does not depend on the pattern; one run in 30 came
     out 1.7-1.8x slower than the others in session 47, which made our speedup look that much
-    better).
-It needs PyTorch for device buffers and for cuBLAS; nmcli's kernels are called directly.
+    better);
+  * cuSPARSELt 2:4, the library users hold 2:4 sparsity to, runs once per shape and row count
+    where this torch has it (time_cusparselt), through torch's public semi-structured path.
+It needs PyTorch for device buffers, cuBLAS and cuSPARSELt; nmcli's kernels are called directly.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class KernelRow:
     copy: bool = False     # the call read a 2:4 copy of the weight (prune --prefill-copy)
     cublas_run_ms: float | None = None  # this pattern's own cuBLAS run, where cublas_ms is the point's median
     tile: str = ""         # the warpgroup kernels' tile plan (tile_text), else empty
+    cusparselt_ms: float | None = None  # cuSPARSELt 2:4 at this shape and row count (time_cusparselt)
 
 
 def tile_text(plan: tuple) -> str:
@@ -243,6 +246,77 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
                      reads_copy, tile=tile)
 
 
+def cusparselt_class(torch):
+    """torch's cuSPARSELt 2:4 tensor class, or None where this torch has none (built without
+    cuSPARSELt, or from before the class)."""
+    backend = getattr(torch.backends, "cusparselt", None)
+    if backend is None or not backend.is_available():
+        return None
+    try:
+        from torch.sparse import semi_structured
+    except ImportError:
+        return None
+    return getattr(semi_structured, "SparseSemiStructuredTensorCUSPARSELT", None)
+
+
+def cusparselt_version(torch) -> int | None:
+    """The cuSPARSELt version torch runs (as torch.backends.cusparselt.version() gives it), or None."""
+    return torch.backends.cusparselt.version() if cusparselt_class(torch) is not None else None
+
+
+def two_of_four_pruned(torch, w):
+    """w [N, K] with the 2 largest magnitudes of every 4 consecutive weights along K kept."""
+    n, k = w.shape
+    groups = w.reshape(n, k // 4, 4)
+    keep = groups.abs().topk(2, dim=-1).indices
+    return (groups * torch.zeros_like(groups).scatter_(-1, keep, 1)).reshape(n, k)
+
+
+def time_cusparselt(torch, m: int, k: int, n: int, dtype: str, l2_bytes: int, replays: int = 20
+                    ) -> tuple[float | None, str]:
+    """cuSPARSELt's time (ms) for Y = X W^T with W [N, K] 2:4-pruned from random data, timed as
+    bench_shape times ours (buffer sets rotated past L2, one graph, median replay), and how it went:
+    (ms, "graph") or (None, why not). It runs torch's public path, F.linear on
+    SparseSemiStructuredTensorCUSPARSELT.from_dense(W) with torch's default algorithm, which pads
+    the activation rows to what cuSPARSELt takes: what a torch user gets. Where the graph cannot
+    capture it, single launches are timed instead ("launches", which adds launch overhead). The
+    output is checked against the dense product of the same pruned weight first: a mismatch is an
+    NmcliError, not a time."""
+    cls = cusparselt_class(torch)
+    if cls is None:
+        return None, "this torch has no cuSPARSELt"
+    if dtype not in ("float16", "bfloat16"):
+        return None, f"not timed for {dtype} (fp16 and bf16 only)"
+    if k % 4:
+        return None, f"K = {k} is not a whole number of groups of 4"
+    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    itemsize = torch.tensor([], dtype=tdtype).element_size()
+    dense_w = two_of_four_pruned(torch, torch.randn(n, k, device="cuda", dtype=tdtype))
+    try:
+        first = cls.from_dense(dense_w)
+    except RuntimeError as e:  # shapes cuSPARSELt does not take (its alignment rules)
+        return None, f"cuSPARSELt refused {n}x{k}: {str(e).splitlines()[0]}"
+    # Stored values (half of W) and metadata (a 16th more), activations and output per set.
+    sets = _sets_for(l2_bytes, n * k * itemsize * 9 // 16 + (m * k + m * n) * itemsize)
+    ws = [first] + [cls.from_dense(dense_w) for _ in range(sets - 1)]
+    xs = [torch.randn(m, k, device="cuda", dtype=tdtype) for _ in range(sets)]
+    linear = torch.nn.functional.linear
+    expected = xs[0].double() @ dense_w.double().t()
+    error = float((linear(xs[0], ws[0]).double() - expected).norm() / expected.norm())
+    if not error < 2e-2:
+        raise NmcliError(f"cuSPARSELt's {m}x{k}x{n} {dtype} product is off the dense one by {error:.2g}")
+
+    def run():
+        for i in range(sets):
+            linear(xs[i], ws[i])
+
+    try:
+        return _time_graph(torch, run, replays) / sets, "graph"
+    except RuntimeError:  # not capturable by this torch: time launches, and say so
+        torch.cuda.synchronize()
+        return _time_launches(torch, run, replays) / sets, "launches"
+
+
 def shared_baseline(rows: list[KernelRow]) -> list[KernelRow]:
     """The rows with one cuBLAS time per shape, row count and dtype: the median of the runs timed
     with its patterns, each row's own run kept in cublas_run_ms, speedups against the median."""
@@ -287,17 +361,27 @@ def _cells_by_point(rows: list[dict]) -> tuple[list[str], dict[tuple[int, int, i
     return patterns, points
 
 
+def _cusparselt_ms(by_pattern: dict[str, dict]) -> float | None:
+    """The point's cuSPARSELt 2:4 time (every pattern's row carries the same), or None."""
+    return next((r["cusparselt_ms"] for r in by_pattern.values() if r.get("cusparselt_ms")), None)
+
+
 def markdown_table(rows: list[dict]) -> str:
     """`nmcli bench kernels --json` rows as one markdown table (BENCHMARKS.md's): a line per shape
-    and row count, cuBLAS's time (the median of the patterns' cuBLAS runs), and per pattern our
-    time, the speedup over that time, at 1..16 rows the share of the copy bandwidth and the path
-    (path_text: with the tile plan on the warpgroup kernels, "(2:4 copy)" where the call read one)."""
+    and row count, cuBLAS's time (the median of the patterns' cuBLAS runs), cuSPARSELt 2:4's time
+    and speedup over cuBLAS where the run timed it, and per pattern our time, the speedup over
+    cuBLAS, at 1..16 rows the share of the copy bandwidth and the path (path_text: with the tile
+    plan on the warpgroup kernels, "(2:4 copy)" where the call read one)."""
     patterns, points = _cells_by_point(rows)
-    lines = ["| K x N | rows | cuBLAS us | " + " | ".join(patterns) + " |",
-             "|:--|--:|--:|" + "--:|" * len(patterns)]
+    sparselt = any(_cusparselt_ms(p) for p in points.values())
+    lines = ["| K x N | rows | cuBLAS us | " + ("cuSPARSELt 2:4 us | " if sparselt else "") + " | ".join(patterns)
+             + " |", "|:--|--:|--:|" + "--:|" * (len(patterns) + sparselt)]
     for (k, n, m), by_pattern in points.items():
         cublas_ms = next(iter(by_pattern.values()))["cublas_ms"]
         cells = []
+        if sparselt:
+            ms = _cusparselt_ms(by_pattern)
+            cells.append(f"{ms * 1e3:.1f} us {cublas_ms / ms:.2f}x" if ms else "")
         for nm in patterns:
             r = by_pattern.get(nm)
             if r is None:
@@ -312,14 +396,19 @@ def markdown_table(rows: list[dict]) -> str:
 
 def speedup_ranges(rows: list[dict]) -> str:
     """The speedup over cuBLAS (the median of the point's runs) per row count and pattern as the
-    range over the shapes (README's table), one markdown line per row count."""
+    range over the shapes (README's table), one markdown line per row count; first cuSPARSELt
+    2:4's where the run timed it."""
     patterns, points = _cells_by_point(rows)
+    sparselt = "cuSPARSELt 2:4"
     ranges: dict[tuple[int, str], list[float]] = {}
     for (_, _, m), by_pattern in points.items():
+        if ms := _cusparselt_ms(by_pattern):
+            ranges.setdefault((m, sparselt), []).append(next(iter(by_pattern.values()))["cublas_ms"] / ms)
         for nm, r in by_pattern.items():
             ranges.setdefault((m, nm), []).append(r["speedup"])
-    lines = ["| rows | " + " | ".join(patterns) + " |", "|--:|" + "--:|" * len(patterns)]
+    columns = ([sparselt] if any(nm == sparselt for (_, nm) in ranges) else []) + patterns
+    lines = ["| rows | " + " | ".join(columns) + " |", "|--:|" + "--:|" * len(columns)]
     for m in sorted({m for (m, _) in ranges}):
-        cells = [f"{min(v):.2f}-{max(v):.2f}x" if (v := ranges.get((m, nm))) else "" for nm in patterns]
+        cells = [f"{min(v):.2f}-{max(v):.2f}x" if (v := ranges.get((m, nm))) else "" for nm in columns]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

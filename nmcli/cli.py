@@ -391,10 +391,14 @@ def bench_kernels(
                                                          "columns (as prune --vector; the op is told so)."),
     prefill_copy: bool = typer.Option(False, "--prefill-copy", help="Give the calls a 2:4 copy of the weight where "
                                                                   "the pattern fits (as prune --prefill-copy)."),
+    cusparselt: bool = typer.Option(True, "--cusparselt/--no-cusparselt",
+                                    help="Also time cuSPARSELt 2:4 (through torch) at each shape and row count."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
 ):
-    """Time nmcli's CUDA kernels against cuBLAS dense (CUDA-graph replay, weights rotated past L2; each
-    pattern against the median of the cuBLAS runs at its shape and row count)."""
+    """Time nmcli's CUDA kernels against cuBLAS dense and cuSPARSELt 2:4 (CUDA-graph replay, weights
+    rotated past L2; each pattern against the median of the cuBLAS runs at its shape and row count)."""
+    from dataclasses import replace
+
     from rich.progress import Progress
 
     from . import bench_kernels as bk
@@ -415,29 +419,44 @@ def bench_kernels(
         raise NmcliError(f"the {path} path runs none of the selected shapes")
     props = torch.cuda.get_device_properties(0)
     copy_gbps = bk.copy_bandwidth(torch)
+    points = list(dict.fromkeys(s for s, _ in todo)) if cusparselt else []
+    sparselt: dict[tuple, float | None] = {}
+    how: dict[str, list[str]] = {}  # how cuSPARSELt was timed (or why not): the points of each
     results = []
     with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(todo))
+        task = progress.add_task("benchmarking", total=len(todo) + len(points))
+        for point in points:
+            progress.update(task, description="{}x{}x{} cuSPARSELt 2:4".format(*point))
+            sparselt[point], note = bk.time_cusparselt(torch, *point, dtype, props.L2_cache_size, replays)
+            how.setdefault(note, []).append("{}x{}x{}".format(*point))
+            progress.advance(task)
         for (m, k, n), pattern in todo:
             progress.update(task, description=f"{m}x{k}x{n} {pattern}")
-            results.append(bk.bench_shape(torch, m, k, n, pattern, dtype, copy_gbps, props.L2_cache_size, replays,
-                                          path=path, vector=vector, prefill_copy=prefill_copy))
+            row = bk.bench_shape(torch, m, k, n, pattern, dtype, copy_gbps, props.L2_cache_size, replays,
+                                 path=path, vector=vector, prefill_copy=prefill_copy)
+            results.append(replace(row, cusparselt_ms=sparselt.get((m, k, n))))
             progress.advance(task)
     results = bk.shared_baseline(results)
+    for note, where in how.items():
+        if note != "graph":
+            err.print(f"[yellow]note:[/] cuSPARSELt 2:4 at {len(where)} point(s) ({where[0]}, ...): {note}",
+                      highlight=False)
     if as_json:
         print(json.dumps({"gpu": props.name, "copy_gbps": copy_gbps, "dtype": dtype, "vector": vector,
-                          "prefill_copy": prefill_copy,
-                          "rows": bk.as_dicts(results)}, indent=2))
+                          "prefill_copy": prefill_copy, "cusparselt": bk.cusparselt_version(torch),
+                          "cusparselt_timing": how, "rows": bk.as_dicts(results)}, indent=2))
         return
     how = dtype + (f", vector {vector}" if vector else "") + (", 2:4 copies" if prefill_copy else "")
     table = Table(title=f"{props.name}: nmcli kernels vs cuBLAS dense ({how}; copy bandwidth {copy_gbps:.0f} GB/s)",
                   header_style="bold")
-    for col in ("M", "K", "N", "N:M", "path", "ours ms", "cuBLAS ms", "speedup", "GB/s", "% copy BW", "TFLOP/s",
-                "cuBLAS TFLOP/s"):
+    for col in ("M", "K", "N", "N:M", "path", "ours ms", "cuBLAS ms", "speedup", "cuSPARSELt 2:4 ms",
+                "vs cuSPARSELt", "GB/s", "% copy BW", "TFLOP/s", "cuBLAS TFLOP/s"):
         table.add_column(col, justify="right")
     for r in results:
+        lt = r.cusparselt_ms
         table.add_row(str(r.m), str(r.k), str(r.n), r.nm, bk.path_text(r.path, r.tile, r.copy), f"{r.ours_ms:.4f}",
-                      f"{r.cublas_ms:.4f}", f"{r.speedup:.2f}x", f"{r.gbps:.0f}", f"{r.pct_copy_bw:.0f}%",
+                      f"{r.cublas_ms:.4f}", f"{r.speedup:.2f}x", f"{lt:.4f}" if lt else "-",
+                      f"{lt / r.ours_ms:.2f}x" if lt else "-", f"{r.gbps:.0f}", f"{r.pct_copy_bw:.0f}%",
                       f"{r.tflops:.1f}", f"{r.cublas_tflops:.1f}")
     out.print(table)
 

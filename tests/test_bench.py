@@ -222,6 +222,31 @@ def test_kernel_bench_tables_from_json_rows(tmp_path):
     assert out[2] == "| 1 | 2.90-4.00x | 1.45-1.45x |"
 
 
+def test_kernel_bench_tables_show_cusparselt_where_the_run_timed_it():
+    """cuSPARSELt 2:4 (time_cusparselt, once per shape and row count, carried on each pattern's
+    row) gets a column after cuBLAS: its time and speedup over the point's median cuBLAS run, and a
+    range per row count; points the run could not time stay blank, and runs without it keep the
+    old tables (test_kernel_bench_tables_from_json_rows)."""
+    from nmcli.bench_kernels import markdown_table, speedup_ranges
+
+    def row(m, k, nm, ours_us, cublas_us, sparselt_us):
+        return {**_kernel_row(m, k, 4096, nm, ours_us, cublas_us),
+                "cusparselt_ms": None if sparselt_us is None else sparselt_us / 1e3}
+
+    rows = [row(1, 4096, "2:4", 10.0, 14.0, 20.0), row(1, 4096, "2:8", 5.0, 16.0, 20.0),
+            row(4096, 4096, "2:4", 140.0, 200.0, 160.0), row(4096, 11008, "2:4", 390.0, 550.0, 500.0),
+            row(1, 11008, "2:4", 20.0, 30.0, None)]
+    table = markdown_table(rows).splitlines()
+    assert table[0] == "| K x N | rows | cuBLAS us | cuSPARSELt 2:4 us | 2:4 | 2:8 |"
+    assert table[1] == "|:--|--:|--:|--:|--:|--:|"
+    assert table[2] == "| 4096 x 4096 | 1 | 15.0 | 20.0 us 0.75x | 10.0 us 1.50x 61% decode | 5.0 us 3.00x 61% decode |"
+    assert table[3].startswith("| 4096 x 4096 | 4096 | 200.0 | 160.0 us 1.25x | 140.0 us 1.43x")
+    assert table[5] == "| 11008 x 4096 | 1 | 30.0 |  | 20.0 us 1.50x 61% decode |  |"
+    ranges = speedup_ranges(rows).splitlines()
+    assert ranges[0] == "| rows | cuSPARSELt 2:4 | 2:4 | 2:8 |"
+    assert ranges[2:] == ["| 1 | 0.75-0.75x | 1.50-1.50x | 3.00-3.00x |", "| 4096 | 1.10-1.25x | 1.41-1.43x |  |"]
+
+
 def test_kernel_bench_compares_every_pattern_with_the_points_median_cublas_run():
     """nmcli bench kernels times cuBLAS once per pattern; every pattern of a shape, row count and
     dtype is then compared with the median of those runs, so one slow cuBLAS run does not inflate

@@ -783,6 +783,59 @@ def test_serve_example_on_cuda(tmp_path, rng):
     assert relative_error(y_cuda, y_cpu.astype(np.float64)) < 2e-3
 
 
+def test_cusparselt_column_prunes_two_of_four_and_times_a_checked_product():
+    """nmcli bench kernels' cuSPARSELt 2:4 column: the weight keeps the 2 largest magnitudes of
+    every 4 along K; where this torch has cuSPARSELt, fp16 and bf16 calls (row counts torch must
+    pad among them) get a positive time after their product matched the dense one, fp32 none."""
+    from nmcli import bench_kernels as bk
+
+    w = torch.randn(96, 256, device="cuda")
+    groups = bk.two_of_four_pruned(torch, w).reshape(96, 64, 4)
+    kept = groups != 0
+    assert (kept.sum(-1) == 2).all()
+    magnitudes = w.reshape(96, 64, 4).abs()
+    smallest_kept = torch.where(kept, magnitudes, torch.inf).amin(-1)
+    largest_dropped = torch.where(kept, -torch.inf, magnitudes).amax(-1)
+    assert (smallest_kept >= largest_dropped).all()
+    if bk.cusparselt_class(torch) is None:
+        pytest.skip("this torch has no cuSPARSELt")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for m, k, n, dtype in [(1, 4096, 4096, "float16"), (17, 4096, 1024, "bfloat16"), (300, 2048, 4096, "float16")]:
+        ms, how = bk.time_cusparselt(torch, m, k, n, dtype, l2, replays=5)
+        assert ms > 0 and how in ("graph", "launches"), (m, k, n, dtype, how)
+    assert bk.time_cusparselt(torch, 16, 4096, 4096, "float32", l2)[0] is None
+
+
+def test_bench_kernels_reports_cusparselt_beside_cublas(tmp_path):
+    """`nmcli bench kernels --json`: every row carries the point's cuSPARSELt 2:4 time where this
+    torch has it, and the run says how each point was timed; --no-cusparselt leaves it out."""
+    import json
+    import subprocess
+    import sys
+    from nmcli import bench_kernels as bk
+
+    def bench(*extra):
+        result = subprocess.run([sys.executable, "-m", "nmcli", "bench", "kernels", "--shapes", "llama", "--rows", "17",
+                                 "--nm", "2:4", "--nm", "2:8", "--replays", "5", "--json", *extra], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    report = bench()
+    assert len(report["rows"]) == 2 * len(bk.LLAMA_KN)
+    if bk.cusparselt_class(torch) is None:
+        assert all(r["cusparselt_ms"] is None for r in report["rows"])
+    else:
+        assert report["cusparselt"] and sum(len(p) for p in report["cusparselt_timing"].values()) == len(bk.LLAMA_KN)
+        assert all(r["cusparselt_ms"] > 0 for r in report["rows"])
+        by_point = {}
+        for r in report["rows"]:
+            by_point.setdefault((r["k"], r["n"]), set()).add(r["cusparselt_ms"])
+        assert all(len(times) == 1 for times in by_point.values())  # one time per point, on every pattern
+    report = bench("--no-cusparselt")
+    assert report["cusparselt_timing"] == {} and all(r["cusparselt_ms"] is None for r in report["rows"])
+
+
 @needs_ort_cuda
 def test_bench_model_on_cuda(tmp_path):
     """nmcli bench on the CUDA EP: IO binding, the op timer's CUDA events, memory readings."""
