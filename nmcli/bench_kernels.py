@@ -12,7 +12,7 @@ Method (the same for every number we publish):
     out 1.7-1.8x slower than the others in session 47, which made our speedup look that much
     better);
   * cuSPARSELt 2:4, the library users hold 2:4 sparsity to, runs once per shape and row count
-    where this torch has it (time_cusparselt), through torch's public semi-structured path.
+    where this torch has it, with the algorithm its search picks (time_cusparselt).
 It needs PyTorch for device buffers, cuBLAS and cuSPARSELt; nmcli's kernels are called directly.
 """
 from __future__ import annotations
@@ -247,22 +247,16 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
                      reads_copy, tile=tile)
 
 
-def cusparselt_class(torch):
-    """torch's cuSPARSELt 2:4 tensor class, or None where this torch has none (built without
-    cuSPARSELt, or from before the class)."""
+def has_cusparselt(torch) -> bool:
+    """Whether this torch runs cuSPARSELt: built with it, and with the ops time_cusparselt calls."""
     backend = getattr(torch.backends, "cusparselt", None)
-    if backend is None or not backend.is_available():
-        return None
-    try:
-        from torch.sparse import semi_structured
-    except ImportError:
-        return None
-    return getattr(semi_structured, "SparseSemiStructuredTensorCUSPARSELT", None)
+    return (backend is not None and backend.is_available() and hasattr(torch, "_cslt_compress")
+            and hasattr(torch, "_cslt_sparse_mm"))
 
 
 def cusparselt_version(torch) -> int | None:
     """The cuSPARSELt version torch runs (as torch.backends.cusparselt.version() gives it), or None."""
-    return torch.backends.cusparselt.version() if cusparselt_class(torch) is not None else None
+    return torch.backends.cusparselt.version() if has_cusparselt(torch) else None
 
 
 def two_of_four_pruned(torch, w):
@@ -273,18 +267,21 @@ def two_of_four_pruned(torch, w):
     return (groups * torch.zeros_like(groups).scatter_(-1, keep, 1)).reshape(n, k)
 
 
+CUSPARSELT_ROWS = 8  # cuSPARSELt's dense operand takes whole multiples of 8 columns (fp16, bf16)
+
+
 def time_cusparselt(torch, m: int, k: int, n: int, dtype: str, l2_bytes: int, replays: int = 20
                     ) -> tuple[float | None, str]:
-    """cuSPARSELt's time (ms) for Y = X W^T with W [N, K] 2:4-pruned from random data, timed as
+    """cuSPARSELt's time (ms) for Y^T = W X^T with W [N, K] 2:4-pruned from random data, timed as
     bench_shape times ours (buffer sets rotated past L2, one graph, median replay), and how it went:
-    (ms, "graph") or (None, why not). It runs torch's public path, F.linear on
-    SparseSemiStructuredTensorCUSPARSELT.from_dense(W) with torch's default algorithm, which pads
-    the activation rows to what cuSPARSELt takes: what a torch user gets. Where the graph cannot
-    capture it, single launches are timed instead ("launches", which adds launch overhead). The
-    output is checked against the dense product of the same pruned weight first: a mismatch is an
-    NmcliError, not a time."""
-    cls = cusparselt_class(torch)
-    if cls is None:
+    (ms, how) or (None, why not). cuSPARSELt at its best, the fairest rival: torch's
+    `_cslt_sparse_mm` with the algorithm `_cslt_sparse_mm_search` picks for the shape ("searched";
+    "default algorithm" where this torch cannot search; torch's own F.linear path keeps algorithm 0,
+    which session 66 measured up to 2.6x slower at 1-256 rows), the activation rows padded to a
+    multiple of CUSPARSELT_ROWS before timing. Where the graph cannot capture it, single launches
+    are timed instead (", launches": that adds launch overhead). The output is checked against the
+    dense product of the same pruned weight first: a mismatch is an NmcliError, not a time."""
+    if not has_cusparselt(torch):
         return None, "this torch has no cuSPARSELt"
     if dtype not in ("float16", "bfloat16"):
         return None, f"not timed for {dtype} (fp16 and bf16 only)"
@@ -293,35 +290,38 @@ def time_cusparselt(torch, m: int, k: int, n: int, dtype: str, l2_bytes: int, re
     tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     itemsize = torch.tensor([], dtype=tdtype).element_size()
     dense_w = two_of_four_pruned(torch, torch.randn(n, k, device="cuda", dtype=tdtype))
-
-    def compress():
-        with warnings.catch_warnings():  # torch calls the class a prototype, on every tensor
-            warnings.simplefilter("ignore", UserWarning)
-            return cls.from_dense(dense_w)
-
     try:
-        first = compress()
+        first = torch._cslt_compress(dense_w)
     except RuntimeError as e:  # shapes cuSPARSELt does not take (its alignment rules)
         return None, f"cuSPARSELt refused {n}x{k}: {str(e).splitlines()[0]}"
+    padded = -(-m // CUSPARSELT_ROWS) * CUSPARSELT_ROWS
     # Stored values (half of W) and metadata (a 16th more), activations and output per set.
-    sets = _sets_for(l2_bytes, n * k * itemsize * 9 // 16 + (m * k + m * n) * itemsize)
-    ws = [first] + [compress() for _ in range(sets - 1)]
-    xs = [torch.randn(m, k, device="cuda", dtype=tdtype) for _ in range(sets)]
-    linear = torch.nn.functional.linear
-    expected = xs[0].double() @ dense_w.double().t()
-    error = float((linear(xs[0], ws[0]).double() - expected).norm() / expected.norm())
+    sets = _sets_for(l2_bytes, n * k * itemsize * 9 // 16 + (padded * k + padded * n) * itemsize)
+    ws = [first] + [torch._cslt_compress(dense_w) for _ in range(sets - 1)]
+    xs = [torch.zeros(padded, k, device="cuda", dtype=tdtype) for _ in range(sets)]
+    for x in xs:
+        x[:m].normal_()
+    how, alg = "default algorithm", 0
+    if hasattr(torch, "_cslt_sparse_mm_search"):
+        with warnings.catch_warnings():  # torch 2.11 calls it deprecated, with no public successor
+            warnings.simplefilter("ignore", UserWarning)
+            found = torch._cslt_sparse_mm_search(ws[0], xs[0].t())
+        how, alg = "searched", int(found[0] if isinstance(found, (tuple, list)) else found)
+    expected = dense_w.double() @ xs[0][:m].double().t()
+    got = torch._cslt_sparse_mm(ws[0], xs[0].t(), alg_id=alg)[:, :m].double()
+    error = float((got - expected).norm() / expected.norm())
     if not error < 2e-2:
         raise NmcliError(f"cuSPARSELt's {m}x{k}x{n} {dtype} product is off the dense one by {error:.2g}")
 
     def run():
         for i in range(sets):
-            linear(xs[i], ws[i])
+            torch._cslt_sparse_mm(ws[i], xs[i].t(), alg_id=alg)
 
     try:
-        return _time_graph(torch, run, replays) / sets, "graph"
+        return _time_graph(torch, run, replays) / sets, how
     except RuntimeError:  # not capturable by this torch: time launches, and say so
         torch.cuda.synchronize()
-        return _time_launches(torch, run, replays) / sets, "launches"
+        return _time_launches(torch, run, replays) / sets, how + ", launches"
 
 
 def shared_baseline(rows: list[KernelRow]) -> list[KernelRow]:
