@@ -422,14 +422,14 @@ def bench_kernels(
     copy_gbps = bk.copy_bandwidth(torch)
     points = list(dict.fromkeys(s for s, _ in todo)) if cusparselt else []
     sparselt: dict[tuple, float | None] = {}
-    how: dict[str, list[str]] = {}  # how cuSPARSELt was timed (or why not): the points of each
+    timing: dict[str, list[str]] = {}  # how cuSPARSELt was timed (or why not): the points of each
     results = []
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(todo) + len(points))
         for point in points:
             progress.update(task, description="{}x{}x{} cuSPARSELt 2:4".format(*point))
             sparselt[point], note = bk.time_cusparselt(torch, *point, dtype, props.L2_cache_size, replays)
-            how.setdefault(note, []).append("{}x{}x{}".format(*point))
+            timing.setdefault(note, []).append("{}x{}x{}".format(*point))
             progress.advance(task)
         for (m, k, n), pattern in todo:
             progress.update(task, description=f"{m}x{k}x{n} {pattern}")
@@ -438,17 +438,18 @@ def bench_kernels(
             results.append(replace(row, cusparselt_ms=sparselt.get((m, k, n))))
             progress.advance(task)
     results = bk.shared_baseline(results)
-    for note, where in how.items():
+    for note, where in timing.items():
         if note != "searched":
             err.print(f"[yellow]note:[/] cuSPARSELt 2:4 at {len(where)} point(s) ({where[0]}, ...): {note}",
                       highlight=False)
     if as_json:
         print(json.dumps({"gpu": props.name, "copy_gbps": copy_gbps, "dtype": dtype, "vector": vector,
                           "prefill_copy": prefill_copy, "cusparselt": bk.cusparselt_version(torch),
-                          "cusparselt_timing": how, "rows": bk.as_dicts(results)}, indent=2))
+                          "cusparselt_timing": timing, "rows": bk.as_dicts(results)}, indent=2))
         return
     how = dtype + (f", vector {vector}" if vector else "") + (", 2:4 copies" if prefill_copy else "")
-    table = Table(title=f"{props.name}: nmcli kernels vs cuBLAS dense ({how}; copy bandwidth {copy_gbps:.0f} GB/s)",
+    table = Table(title=f"{props.name}: nmcli kernels vs cuBLAS dense and cuSPARSELt 2:4 ({how}; copy bandwidth "
+                        f"{copy_gbps:.0f} GB/s)",
                   header_style="bold")
     for col in ("M", "K", "N", "N:M", "path", "ours ms", "cuBLAS ms", "speedup", "cuSPARSELt 2:4 ms",
                 "vs cuSPARSELt", "GB/s", "% copy BW", "TFLOP/s", "cuBLAS TFLOP/s"):

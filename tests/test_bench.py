@@ -247,6 +247,30 @@ def test_kernel_bench_tables_show_cusparselt_where_the_run_timed_it():
     assert ranges[2:] == ["| 1 | 0.75-0.75x | 1.50-1.50x | 3.00-3.00x |", "| 4096 | 1.10-1.25x | 1.41-1.43x |  |"]
 
 
+def test_cusparselt_timing_says_why_it_did_not_time():
+    """time_cusparselt returns no time, and the reason `nmcli bench kernels` prints, where the torch
+    has no cuSPARSELt, for fp32, and where K is no whole number of groups of 4, before it touches a
+    GPU (a stand-in torch: the calls past these checks would fail on it)."""
+    from types import SimpleNamespace
+
+    from nmcli.bench_kernels import has_cusparselt, time_cusparselt
+
+    def fake_torch(available, ops=True):
+        backend = SimpleNamespace(is_available=lambda: available, version=lambda: 800)
+        extra = dict(_cslt_compress=None, _cslt_sparse_mm=None) if ops else {}
+        return SimpleNamespace(backends=SimpleNamespace(cusparselt=backend), **extra)
+
+    assert not has_cusparselt(fake_torch(False)) and not has_cusparselt(fake_torch(True, ops=False))
+    assert not has_cusparselt(SimpleNamespace(backends=SimpleNamespace()))  # a torch from before the backend
+    assert has_cusparselt(fake_torch(True))
+    l2 = 50 << 20
+    assert time_cusparselt(fake_torch(False), 16, 4096, 4096, "float16", l2) == (None, "this torch has no cuSPARSELt")
+    assert time_cusparselt(fake_torch(True), 16, 4096, 4096, "float32", l2) == (
+        None, "not timed for float32 (fp16 and bf16 only)")
+    assert time_cusparselt(fake_torch(True), 16, 4098, 4096, "bfloat16", l2) == (
+        None, "K = 4098 is not a whole number of groups of 4")
+
+
 def test_kernel_bench_compares_every_pattern_with_the_points_median_cublas_run():
     """nmcli bench kernels times cuBLAS once per pattern; every pattern of a shape, row count and
     dtype is then compared with the median of those runs, so one slow cuBLAS run does not inflate
