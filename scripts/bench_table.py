@@ -4,6 +4,9 @@ runs together: the later file's row wins where two time the same shape, row coun
     nmcli bench kernels --shapes llama --json > llama.json
     python scripts/bench_table.py llama.json               # every point
     python scripts/bench_table.py llama.json --ranges      # speedup ranges over the shapes
+
+Where the runs timed cuSPARSELt 2:4 (nmcli bench kernels does unless --no-cusparselt), its time and
+speedup over cuBLAS come after cuBLAS's, and its range first.
 """
 import argparse
 import json
