@@ -407,13 +407,13 @@ def speedup_ranges(rows: list[dict]) -> str:
     2:4's where the run timed it."""
     patterns, points = _cells_by_point(rows)
     sparselt = "cuSPARSELt 2:4"
+    columns = ([sparselt] if any(_cusparselt_ms(p) for p in points.values()) else []) + patterns
     ranges: dict[tuple[int, str], list[float]] = {}
     for (_, _, m), by_pattern in points.items():
         if ms := _cusparselt_ms(by_pattern):
             ranges.setdefault((m, sparselt), []).append(next(iter(by_pattern.values()))["cublas_ms"] / ms)
         for nm, r in by_pattern.items():
             ranges.setdefault((m, nm), []).append(r["speedup"])
-    columns = ([sparselt] if any(nm == sparselt for (_, nm) in ranges) else []) + patterns
     lines = ["| rows | " + " | ".join(columns) + " |", "|--:|" + "--:|" * len(columns)]
     for m in sorted({m for (m, _) in ranges}):
         cells = [f"{min(v):.2f}-{max(v):.2f}x" if (v := ranges.get((m, nm))) else "" for nm in columns]

@@ -392,8 +392,8 @@ def bench_kernels(
     prefill_copy: bool = typer.Option(False, "--prefill-copy", help="Give the calls a 2:4 copy of the weight where "
                                                                   "the pattern fits (as prune --prefill-copy)."),
     cusparselt: bool = typer.Option(True, "--cusparselt/--no-cusparselt",
-                                    help="Also time cuSPARSELt 2:4 (through torch, its searched algorithm) at each shape "
-                                         "and row count."),
+                                    help="Also time cuSPARSELt 2:4 (through torch, its searched algorithm) at "
+                                         "each shape and row count."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
 ):
     """Time nmcli's CUDA kernels against cuBLAS dense and cuSPARSELt 2:4 (CUDA-graph replay, weights

@@ -99,8 +99,8 @@
 //    14336 x 4096): 0.72-0.95x at 512 rows, 0.96-1.15x at 1024 (below 1 only on 11008 x 4096),
 //    1.00-1.26x at 2048 and 1.04-1.28x at 4096. On narrow outputs it lost or tied (session 41:
 //    0.85-0.96x at 2.1M output entries, 0.95-1.04x at 1M), so it also needs rows x Nout of
-//    kStagedCopyMinOutputs (3 x 2^20 then, 2^19 since session 63). Session 55 moved it from 1024 rows, where the
-//    regrouping kernel (faster since session 40) had come to beat the staged copy (H100, ab_kernels
+//    kStagedCopyMinOutputs (3 x 2^20 then, 2^19 since session 63). Session 55 moved it from 1024
+//    rows, where the regrouping kernel (faster since session 40) had come to beat the staged copy (H100, ab_kernels
 //    --path auto against a build that never stages, on 4096 x 4096, 11008 x 4096, 4096 x 11008,
 //    4096 x 14336 and 14336 x 4096): at 1024 rows the regrouping kernel ran 1.06-1.16x the staged
 //    copy for 2:8, 0.99-1.11x for 1:4 and 0.95-1.09x for 1:8; at 2048 rows 0.93-1.01x, 0.88-0.97x
@@ -269,7 +269,8 @@ bool regrouped_in_kernel(int n, int m) {
 bool stages_copy(const CudaMatMul& c) {
   if (has_copy(c) || c.dtype == DType::f32 || !fits_two_of_four(c.shape.n, c.shape.m)) return false;
   if (!regrouped_in_kernel(c.shape.n, c.shape.m)) return true;
-  return c.rows >= staged_copy_from_rows(c.shape.n, c.shape.m, c.shape.k, c.shape.nout) && c.rows * c.shape.nout >= kStagedCopyMinOutputs;
+  return c.rows >= staged_copy_from_rows(c.shape.n, c.shape.m, c.shape.k, c.shape.nout) &&
+         c.rows * c.shape.nout >= kStagedCopyMinOutputs;
 }
 
 // Workspace bytes of a call's activation A (gated or normalised calls off the decode paths).

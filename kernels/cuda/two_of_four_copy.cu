@@ -117,7 +117,8 @@ __device__ __forceinline__ void copy_word(const uint32_t (&entries)[(32 / kM * k
         const bool in1 = kN == 2 && valid[1] && at[1] >> 2 == static_cast<uint32_t>(q);
         // copy_block's rule as selects: a lone entry at offset a pairs with position 1 (a = 0) or 0
         const uint32_t one_at = (in0 ? at[0] : at[1]) & 3, one_value = in0 ? value[0] : value[1];
-        const uint32_t one_pair = one_at == 0 ? one_value : one_value << 16, one_fields = one_at == 0 ? 1u << 2 : one_at << 2;
+        const uint32_t one_pair = one_at == 0 ? one_value : one_value << 16;
+        const uint32_t one_fields = one_at == 0 ? 1u << 2 : one_at << 2;
         const bool padding = 4 * b >= static_cast<int>(inside);
         pairs[b] = padding ? 0u : in0 && in1 ? value[0] | value[1] << 16 : in0 || in1 ? one_pair : 0u;
         const uint32_t fields = in0 && in1 ? (at[0] & 3) | (at[1] & 3) << 2 : in0 || in1 ? one_fields : 1u << 2;
