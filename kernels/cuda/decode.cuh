@@ -28,6 +28,9 @@
 //  * Where K is staged once and a block walks several row tiles, at 1-2 rows, a leaner walk of
 //    whole rows (kWalkRows): each warp's loads move along the row from pointers, and what depends
 //    only on the lane is computed once (0.98-1.06x on the wide LLaMA projections, session 49).
+//    It loads X between its first and second step's weights (StagingInHalves, session 67): X's
+//    loads had waited behind both steps', and a timing-only build that skipped the staging ran
+//    1-row calls 1.1-2.8 us faster (kernels/bench/decode_timeline.cu).
 //  * Common N:M families are compiled with N, M and B as constants (group index by shift,
 //    offset extraction by constant shifts); any other pattern takes the runtime-N:M variant.
 //  * Activations are staged once per block in shared memory, the R rows of a position side by
@@ -45,6 +48,13 @@
 
 #include "common.cuh"
 #include "kernels.cuh"
+
+// Timeline hooks: kernels/bench/decode_timeline.cu defines NMCLI_DECODE_STAMP(p, event) to record
+// when each warp starts (0), has waited for the previous kernel (1), has the activations staged
+// (2) and leaves (3); everywhere else they compile to nothing.
+#ifndef NMCLI_DECODE_STAMP
+#define NMCLI_DECODE_STAMP(p, event)
+#endif
 
 namespace nmcli {
 namespace decode {
@@ -141,6 +151,15 @@ __device__ __forceinline__ void load_position(const S* src, float (&x)[R]) {
   for (int r = 0; r < R; ++r) x[r] = packed_entry<S>(w, r);
 }
 
+// The first position of the t-th 16-byte vector of X a staging loads (per row), where runs of kRun
+// positions share a column of the layout: consecutive t walk the same place of consecutive runs, so
+// under the run layout their stores land in consecutive slots.
+template <int VEC, int kRun>
+__device__ __forceinline__ int staged_vector_position(int t, int runs) {
+  constexpr int kPieces = kRun / VEC;  // vectors of X per run
+  return kPieces == 1 ? t * VEC : t % runs * kRun + t / runs * VEC;
+}
+
 // Stages positions [p0, p0 + staged) of every row, position q at slot Layout::slot(q) with its R
 // values side by side. X reads as zero past K and past the real rows (the format's padding
 // entries point there with zero values, and zero times garbage can be NaN). With 16-byte loads
@@ -165,7 +184,7 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
 #pragma unroll 2
     for (int idx = threadIdx.x; idx < runs * kPieces * R; idx += kThreads) {
       const int r = idx % R, t = idx / R;
-      const int q = kPieces == 1 ? t * VEC : t % runs * kRun + t / runs * VEC;
+      const int q = staged_vector_position<VEC, kRun>(t, runs);
       const int64_t k = p0 + q;
       uint4 v = make_uint4(0, 0, 0, 0), u = v;  // zeros past K: gated, still zero
       if (k < p.k && r < p.rows) {
@@ -203,6 +222,49 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
   }
 }
 
+// The staging of a plain call (no gate, no norm, 16-byte aligned rows, K in one chunk, at most
+// kMostLoads vectors of X a thread) in two halves: load() brings this thread's vectors of X into
+// registers, store() writes them where stage_activations would. The whole-row walk issues its
+// second step's weight loads between the two, so X's loads are not queued behind both steps'
+// (BENCHMARKS.md, session 67: 1.02-1.05x at 1 row and 1.07-1.12x at 2 on 4096 x 11008, 14336 and
+// 28672). The general walk keeps stage_activations: the halves around its loop's first loads
+// compiled its register buffers to local memory, and written before the loop, spilled.
+template <typename T, typename S, int R, typename Layout>
+struct StagingInHalves {
+  static constexpr int VEC = 16 / sizeof(T);
+  static constexpr int kRun = Layout::kRun > 0 ? Layout::kRun : VEC;
+  static constexpr int kMostLoads = 2;
+  uint4 held[kMostLoads];
+  __device__ static int vectors(const DecodeParamsT<T>& p) { return p.staged_positions / kRun * (kRun / VEC) * R; }
+  __device__ static bool applies(const DecodeParamsT<T>& p) {
+    return p.glu == Glu::none && p.norm_weight == nullptr && p.k % VEC == 0 &&
+           reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.chunk_groups >= p.groups &&
+           vectors(p) <= kMostLoads * kThreads;
+  }
+  __device__ void load(const DecodeParamsT<T>& p) {
+    const int runs = p.staged_positions / kRun;
+#pragma unroll
+    for (int j = 0; j < kMostLoads; ++j) {
+      const int idx = threadIdx.x + j * kThreads;
+      const int r = idx % R, q = staged_vector_position<VEC, kRun>(idx / R, runs);
+      held[j] = make_uint4(0, 0, 0, 0);  // zeros past K and past the real rows
+      if (idx < vectors(p) && q < p.k && r < p.rows)
+        held[j] = __ldg(reinterpret_cast<const uint4*>(p.x + r * p.k + q));
+    }
+  }
+  __device__ void store(const DecodeParamsT<T>& p, S* xs) const {
+    const int runs = p.staged_positions / kRun;
+#pragma unroll
+    for (int j = 0; j < kMostLoads; ++j) {
+      const int idx = threadIdx.x + j * kThreads;
+      if (idx >= vectors(p)) continue;
+      const int r = idx % R, q = staged_vector_position<VEC, kRun>(idx / R, runs);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) xs[Layout::slot(q + i) * R + r] = from_f32<S>(vec_entry<T>(held[j], i));
+    }
+  }
+};
+
 // One step of a warp: the 32 * U vectors starting at vb of row tile `tile`, in the K chunk that
 // starts at group g0.
 struct Step {
@@ -219,6 +281,7 @@ constexpr bool kHasRowWalk = run_positions<T, kN, kM>() > 0 && R <= 2 && !(kN ==
 // chunk, and the warps walk whole rows (below).
 template <typename T, int R, int kN, int kM, bool kWalkRows = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(DecodeParamsT<T> p) {
+  NMCLI_DECODE_STAMP(p, 0);
   using S = StageT<T, R>;
   constexpr int VEC = 16 / sizeof(T);             // entries per 16-byte vector
   constexpr int U = kVectorsPerLane;              // vectors per lane per step
@@ -396,6 +459,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
   // before this point; the activations (and every write) wait for the kernel that produced them.
   auto before_first_staging = [&]() {
     wait_for_previous_kernel();
+    NMCLI_DECODE_STAMP(p, 1);
     allow_next_kernel();
     if (!kEarlyClear && p.norm_weight) {
       if (threadIdx.x < kDecodeMaxRows) norm_sumsq[threadIdx.x] = 0.f;
@@ -462,12 +526,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
     uint4 v[2][U];
     uint2 w[2][U];
     Cursor current = row_start(static_cast<int>(blockIdx.x)), ahead = current;
+    using Halves = StagingInHalves<T, S, R, Layout>;
+    const bool in_halves = Halves::applies(p);
+    Halves staging;
     load(v[0], w[0], current);
+    if (in_halves) {  // X's loads go out between the two steps' (StagingInHalves)
+      before_first_staging();
+      staging.load(p);
+    }
     ahead = next(ahead);
     if (ahead.tile < tiles) load(v[1], w[1], ahead);
-    before_first_staging();
-    stage_activations<T, S, R, Layout>(p, xs, 0, p.norm_weight ? norm_sumsq : nullptr);
+    if (in_halves) {
+      staging.store(p, xs);
+    } else {
+      before_first_staging();
+      stage_activations<T, S, R, Layout>(p, xs, 0, p.norm_weight ? norm_sumsq : nullptr);
+    }
     __syncthreads();
+    NMCLI_DECODE_STAMP(p, 2);
     // One step from buffer b (a constant, so the buffers stay in registers); true when the walk ends.
     auto step = [&](auto b) {
       constexpr int kB = decltype(b)::value;
@@ -480,6 +556,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
     };
     while (!step(std::integral_constant<int, 0>{}) && !step(std::integral_constant<int, 1>{})) {
     }
+    NMCLI_DECODE_STAMP(p, 3);
     return;
   }
 
@@ -496,6 +573,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
       stage_activations<T, S, R, Layout>(p, xs, static_cast<int64_t>(s.g0) * m,
                                          p.norm_weight && first_pass ? norm_sumsq : nullptr);
       __syncthreads();
+      if (!staged) {
+        NMCLI_DECODE_STAMP(p, 2);
+      }
       staged = true;
     }
     compute_step(vals, offs, s);
@@ -521,7 +601,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
       if (ahead.tile < tiles) load_step(vals[(b + kDepth - 1) % kDepth], offs[(b + kDepth - 1) % kDepth], ahead);
       const Step next = advance(current);
       process(vals[b], offs[b], current, next);
-      if (next.tile >= tiles) return;
+      if (next.tile >= tiles) {
+        NMCLI_DECODE_STAMP(p, 3);
+        return;
+      }
       current = next;
     }
   }
