@@ -25,9 +25,9 @@
 //    a flat read's on 2%, which waits on memory), so the inner loop is written for few
 //    instructions per entry: one shift and one LOP3 place an entry's offset field in its
 //    shared-memory address.
-//  * Where K is staged once and a block walks several row tiles, at 1-2 rows, a leaner walk of
-//    whole rows (kWalkRows): each warp's loads move along the row from pointers, and what depends
-//    only on the lane is computed once (0.98-1.06x on the wide LLaMA projections, session 49).
+//  * Where K is staged once, at 1-2 rows, a leaner walk of whole rows (kWalkRows; launch says
+//    where): each warp's loads move along the row from pointers, and what depends only on the
+//    lane is computed once (0.98-1.06x on the wide LLaMA projections, session 49).
 //    It loads X between its first and second step's weights (StagingInHalves, session 67): X's
 //    loads had waited behind both steps', and a timing-only build that skipped the staging ran
 //    1-row calls 1.1-2.8 us faster (kernels/bench/decode_timeline.cu).
@@ -666,14 +666,19 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
                           smem, stream, 1, true, p);
   };
   int64_t slots = 0;
-  // The whole-row walk where K is staged once and blocks walk more than one tile. Against the
-  // general walk at 1-2 rows (BENCHMARKS.md, session 49), 2:8, 2:4, 1:4 and 4:16: 1.00-1.06x on
-  // 4096 x 11008, 14336 and 28672 (3-7 tiles a block), 0.98-1.03x on 4096 x 12288; with a tile a
-  // block, where it is not taken, 0.98-1.01x on 14336 x 4096 and 0.93-1.00x on 4096 x 4096.
+  // The whole-row walk where K is staged once and blocks walk more than one tile, and since it
+  // stages X in halves (session 67) also where each block has one tile: at 2 rows, and at 1 row
+  // where the tiles fill at least three quarters of the slots. Against the general walk at 1-2 rows
+  // (BENCHMARKS.md, session 49), 2:8, 2:4, 1:4 and 4:16: 1.00-1.06x on 4096 x 11008, 14336 and 28672
+  // (3-7 tiles a block), 0.98-1.03x on 4096 x 12288. With a tile a block, session 49 found it
+  // 0.98-1.01x on 14336 x 4096 and 0.93-1.00x on 4096 x 4096; session 67, with the halves: at 1 row
+  // 1.10-1.15x on 11008 and 14336 x 4096 and 1.01-1.02x on 4096 x 4096 (128 tiles on 132 slots), but
+  // 0.93-0.99x for 2:8, 1:4 and 4:16 on 4096 x 2048 and 4096 x 1024 (64 and 32 tiles); at 2 rows
+  // 1.00-1.24x on all five.
   if constexpr (kHasRowWalk<T, R, kN, kM>) {
     if (p.chunk_groups >= p.groups) {
       if (cudaError_t e = slots_of(std::true_type{}, slots); e != cudaSuccess) return e;
-      if (tiles > slots) return launch_kernel(std::true_type{}, slots);
+      if (tiles > slots || R == 2 || 4 * tiles >= 3 * slots) return launch_kernel(std::true_type{}, slots);
     }
   }
   if (cudaError_t e = slots_of(std::false_type{}, slots); e != cudaSuccess) return e;
