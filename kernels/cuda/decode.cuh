@@ -235,8 +235,10 @@ struct StagingInHalves {
   static constexpr int kRun = Layout::kRun > 0 ? Layout::kRun : VEC;
   static constexpr int kMostLoads = 2;
   uint4 held[kMostLoads];
-  __device__ static int vectors(const DecodeParamsT<T>& p) { return p.staged_positions / kRun * (kRun / VEC) * R; }
-  __device__ static bool applies(const DecodeParamsT<T>& p) {
+  __host__ __device__ static int vectors(const DecodeParamsT<T>& p) {
+    return p.staged_positions / kRun * (kRun / VEC) * R;
+  }
+  __host__ __device__ static bool applies(const DecodeParamsT<T>& p) {
     return p.glu == Glu::none && p.norm_weight == nullptr && p.k % VEC == 0 &&
            reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.chunk_groups >= p.groups &&
            vectors(p) <= kMostLoads * kThreads;
@@ -666,19 +668,23 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
                           smem, stream, 1, true, p);
   };
   int64_t slots = 0;
-  // The whole-row walk where K is staged once and blocks walk more than one tile, and since it
-  // stages X in halves (session 67) also where each block has one tile: at 2 rows, and at 1 row
-  // where the tiles fill at least three quarters of the slots. Against the general walk at 1-2 rows
-  // (BENCHMARKS.md, session 49), 2:8, 2:4, 1:4 and 4:16: 1.00-1.06x on 4096 x 11008, 14336 and 28672
-  // (3-7 tiles a block), 0.98-1.03x on 4096 x 12288. With a tile a block, session 49 found it
-  // 0.98-1.01x on 14336 x 4096 and 0.93-1.00x on 4096 x 4096; session 67, with the halves: at 1 row
-  // 1.10-1.15x on 11008 and 14336 x 4096 and 1.01-1.02x on 4096 x 4096 (128 tiles on 132 slots), but
-  // 0.93-0.99x for 2:8, 1:4 and 4:16 on 4096 x 2048 and 4096 x 1024 (64 and 32 tiles); at 2 rows
-  // 1.00-1.24x on all five.
+  // The whole-row walk where K is staged once and blocks walk more than one tile; since it stages X
+  // in halves (session 67), also calls it stages in halves where each block has one tile: at 2
+  // rows, and at 1 row where the tiles fill at least three quarters of the slots (gated and
+  // normalised calls, staged at once, keep the general walk there). Measured against the general
+  // walk (BENCHMARKS.md), 2:8, 2:4, 1:4 and 4:16 at 1-2 rows:
+  //  * session 49: 1.00-1.06x on 4096 x 11008, 14336 and 28672 (3-7 tiles a block), 0.98-1.03x on
+  //    4096 x 12288; with a tile a block 0.98-1.01x on 14336 x 4096 and 0.93-1.00x on 4096 x 4096;
+  //  * session 67, with the halves and a tile a block: at 1 row 1.10-1.15x on 11008 and 14336 x 4096
+  //    and 1.01-1.02x on 4096 x 4096 (128 tiles on 132 slots), 0.99-1.01x at 112 tiles, but
+  //    0.93-0.99x for 2:8, 1:4 and 4:16 at 32 and 64 tiles (4:16 0.94-0.97x at 80-96); at 2 rows
+  //    1.00-1.24x on 4096 x 1024, 2048 and 4096 and 11008 and 14336 x 4096.
   if constexpr (kHasRowWalk<T, R, kN, kM>) {
     if (p.chunk_groups >= p.groups) {
       if (cudaError_t e = slots_of(std::true_type{}, slots); e != cudaSuccess) return e;
-      if (tiles > slots || R == 2 || 4 * tiles >= 3 * slots) return launch_kernel(std::true_type{}, slots);
+      const bool halves = StagingInHalves<T, StageT<T, R>, R, LayoutFor<T, kN, kM>>::applies(p);
+      if (tiles > slots || (halves && (R == 2 || 4 * tiles >= 3 * slots)))
+        return launch_kernel(std::true_type{}, slots);
     }
   }
   if (cudaError_t e = slots_of(std::false_type{}, slots); e != cudaSuccess) return e;
