@@ -229,11 +229,15 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
 // (BENCHMARKS.md, session 67: 1.02-1.05x at 1 row and 1.07-1.12x at 2 on 4096 x 11008, 14336 and
 // 28672). The general walk keeps stage_activations: the halves around its loop's first loads
 // compiled its register buffers to local memory, and written before the loop, spilled.
-template <typename T, typename S, int R, typename Layout>
+// kLoads: 2 vectors a thread, and 4 in a second kernel for 2 rows of 16-bit types where X needs
+// more (K up to 16384; launch). Session 68: that kernel made 2 rows on 11008 and 14336 x 4096
+// 1.12-1.18x (2:8, 2:4, 1:4, 4:16); 4 loads in the one kernel of every call had made 4096 x 4096
+// 0.97-0.99x at 1-2 rows.
+template <typename T, typename S, int R, typename Layout, int kLoads = 2>
 struct StagingInHalves {
   static constexpr int VEC = 16 / sizeof(T);
   static constexpr int kRun = Layout::kRun > 0 ? Layout::kRun : VEC;
-  static constexpr int kMostLoads = 2;
+  static constexpr int kMostLoads = kLoads;
   uint4 held[kMostLoads];
   __host__ __device__ static int vectors(const DecodeParamsT<T>& p) {
     return p.staged_positions / kRun * (kRun / VEC) * R;
@@ -274,14 +278,16 @@ struct Step {
 };
 
 // Whether decode_kernel<T, R, kN, kM> has the whole-row walk (kWalkRows; launch says where it is
-// taken): compile-time families whose vectors cover aligned runs, at 1-2 rows, but 1:8, which it
-// made 0.96-1.00x as fast where launch would take it (BENCHMARKS.md, session 49).
+// taken): compile-time families whose vectors cover aligned runs, at 1-2 rows. 1:8 has it since X
+// is staged in halves (session 68: 1.03-1.21x at 2 rows, 1.05-1.14x at 1 row where K > 4096; session
+// 49, without the halves, had found it 0.96-1.00x as fast).
 template <typename T, int R, int kN, int kM>
-constexpr bool kHasRowWalk = run_positions<T, kN, kM>() > 0 && R <= 2 && !(kN == 1 && kM == 8);
+constexpr bool kHasRowWalk = run_positions<T, kN, kM>() > 0 && R <= 2;
 
 // kN == 0: the pattern is read from the parameters (any valid N:M). kWalkRows: K fits one staged
-// chunk, and the warps walk whole rows (below).
-template <typename T, int R, int kN, int kM, bool kWalkRows = false>
+// chunk, and the warps walk whole rows (below), staging X in halves of up to kXLoads vectors a
+// thread (StagingInHalves).
+template <typename T, int R, int kN, int kM, bool kWalkRows = false, int kXLoads = 2>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(DecodeParamsT<T> p) {
   NMCLI_DECODE_STAMP(p, 0);
   using S = StageT<T, R>;
@@ -528,7 +534,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
     uint4 v[2][U];
     uint2 w[2][U];
     Cursor current = row_start(static_cast<int>(blockIdx.x)), ahead = current;
-    using Halves = StagingInHalves<T, S, R, Layout>;
+    using Halves = StagingInHalves<T, S, R, Layout, kXLoads>;
     const bool in_halves = Halves::applies(p);
     Halves staging;
     load(v[0], w[0], current);
@@ -614,13 +620,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_kernel(Decod
 
 // Blocks of decode_kernel<T, R, kN, kM> resident per SM with `smem` bytes of dynamic shared
 // memory (at least 1); remembered per kernel for the last size asked, nearly always the next one.
-template <typename T, int R, int kN, int kM, bool kWalkRows>
+template <typename T, int R, int kN, int kM, bool kWalkRows, int kXLoads>
 int resident_blocks(size_t smem) {
   static std::atomic<uint64_t> last{0};  // smem << 8 | blocks
   const uint64_t seen = last.load(std::memory_order_relaxed);
   if (seen != 0 && (seen >> 8) == smem) return static_cast<int>(seen & 0xff);
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_kernel<T, R, kN, kM, kWalkRows>, kThreads,
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_kernel<T, R, kN, kM, kWalkRows, kXLoads>, kThreads,
                                                     smem) != cudaSuccess ||
       blocks < 1)
     blocks = 1;
@@ -656,17 +662,20 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
   // (decode calls are a few us long).
   const int64_t tiles = (p.nout + kRowsPerBlock - 1) / kRowsPerBlock;
   // Raises the kernel's shared-memory cap, then counts the blocks the GPU holds at once.
-  auto slots_of = [&](auto walk_rows, int64_t& slots) {
-    if (cudaError_t e = allow_dynamic_smem<decode_kernel<T, R, kN, kM, walk_rows()>>(kStageBytes + 4096);
+  // walk_rows, x_loads: decode_kernel's kWalkRows and kXLoads, as integral constants.
+  auto slots_of = [&](auto walk_rows, auto x_loads, int64_t& slots) {
+    if (cudaError_t e = allow_dynamic_smem<decode_kernel<T, R, kN, kM, walk_rows(), x_loads()>>(kStageBytes + 4096);
         e != cudaSuccess)
       return e;
-    slots = static_cast<int64_t>(resident_blocks<T, R, kN, kM, walk_rows()>(smem)) * multiprocessor_count();
+    slots = static_cast<int64_t>(resident_blocks<T, R, kN, kM, walk_rows(), x_loads()>(smem)) * multiprocessor_count();
     return cudaSuccess;
   };
-  auto launch_kernel = [&](auto walk_rows, int64_t slots) {
-    return launch_split_k(decode_kernel<T, R, kN, kM, walk_rows()>, dim3(persistent_blocks(tiles, slots)), kThreads,
-                          smem, stream, 1, true, p);
+  auto launch_kernel = [&](auto walk_rows, auto x_loads, int64_t slots) {
+    return launch_split_k(decode_kernel<T, R, kN, kM, walk_rows(), x_loads()>, dim3(persistent_blocks(tiles, slots)),
+                          kThreads, smem, stream, 1, true, p);
   };
+  using TwoLoads = std::integral_constant<int, 2>;
+  using FourLoads = std::integral_constant<int, 4>;
   int64_t slots = 0;
   // The whole-row walk where K is staged once and blocks walk more than one tile; since it stages X
   // in halves (session 67), also calls it stages in halves where each block has one tile: at 2
@@ -679,16 +688,30 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
   //    and 1.01-1.02x on 4096 x 4096 (128 tiles on 132 slots), 0.99-1.01x at 112 tiles, but
   //    0.93-0.99x for 2:8, 1:4 and 4:16 at 32 and 64 tiles (4:16 0.94-0.97x at 80-96); at 2 rows
   //    1.00-1.24x on 4096 x 1024, 2048 and 4096 and 11008 and 14336 x 4096.
+  // 1:8 at 1 row only where a row is more than one step (32 * kVectorsPerLane vectors): session 68,
+  // at K = 4096 (one step a row) 0.97-0.99x on 4096 x 4096, 8192, 11008 and 14336, while 2:8, 1:4,
+  // 4:16 and 2:4 on rows of one step (K = 1024-2048) gained up to 1.06x from the whole-row walk.
   if constexpr (kHasRowWalk<T, R, kN, kM>) {
-    if (p.chunk_groups >= p.groups) {
-      if (cudaError_t e = slots_of(std::true_type{}, slots); e != cudaSuccess) return e;
-      const bool halves = StagingInHalves<T, StageT<T, R>, R, LayoutFor<T, kN, kM>>::applies(p);
+    const int64_t row_vectors = (p.groups * p.n + VEC - 1) / VEC;
+    const bool one_step_rows_of_1_8 = kN == 1 && kM == 8 && R == 1 && row_vectors <= 32 * kVectorsPerLane;
+    if (p.chunk_groups >= p.groups && !one_step_rows_of_1_8) {
+      using Layout = LayoutFor<T, kN, kM>;
+      const bool halves = StagingInHalves<T, StageT<T, R>, R, Layout>::applies(p);
+      // 2 rows of 16-bit X past 2 vectors a thread: the kernel that holds 4, which then always walks
+      // whole rows (at 2 rows the halves take every grid).
+      if constexpr (R == 2 && sizeof(T) == 2) {
+        if (!halves && StagingInHalves<T, StageT<T, R>, R, Layout, FourLoads::value>::applies(p)) {
+          if (cudaError_t e = slots_of(std::true_type{}, FourLoads{}, slots); e != cudaSuccess) return e;
+          return launch_kernel(std::true_type{}, FourLoads{}, slots);
+        }
+      }
+      if (cudaError_t e = slots_of(std::true_type{}, TwoLoads{}, slots); e != cudaSuccess) return e;
       if (tiles > slots || (halves && (R == 2 || 4 * tiles >= 3 * slots)))
-        return launch_kernel(std::true_type{}, slots);
+        return launch_kernel(std::true_type{}, TwoLoads{}, slots);
     }
   }
-  if (cudaError_t e = slots_of(std::false_type{}, slots); e != cudaSuccess) return e;
-  return launch_kernel(std::false_type{}, slots);
+  if (cudaError_t e = slots_of(std::false_type{}, TwoLoads{}, slots); e != cudaSuccess) return e;
+  return launch_kernel(std::false_type{}, TwoLoads{}, slots);
 }
 
 template <int V>
