@@ -145,7 +145,9 @@ def test_cuda_paths_match_reference(rng, n, m, dtype_name, rows, k, nout):
                                          (6, 8584, 100), (2, 60416, 40), (2, 68608, 40),
                                          # clusters walking several tiles: a partial batch of tile
                                          # sums (2 blocks), two full batches and a partial one (4)
-                                         (8, 11008, 4100), (16, 14336, 8200)])
+                                         (8, 11008, 4100), (16, 14336, 8200),
+                                         # 1 row, K split (decode_mma takes these narrow outputs from 1 row)
+                                         (1, 14336, 1000)])
 def test_decode_mma_matches_reference(rng, n, m, dtype_name, rows, k, nout):
     """The decode-sized tensor-core path (decode_mma.cu), one or two entries in groups of 4 or 8 and
     four in groups of 8 or 16 (a value word's two entries keying its selector; at 9-16 rows of 4:16

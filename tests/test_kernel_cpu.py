@@ -259,6 +259,17 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(3, 4, 16, 14336, 4096, "float16") == dm  # decode: several K chunks
     assert _kernels.cuda_path(4, 4, 8, 11008, 4096, "float16") == "decode"  # one chunk, decode_mma splits K
     assert _kernels.cuda_path(5, 4, 8, 11008, 4096, "float16") == dm
+    # Narrower than 4096, decode's grid leaves SMs idle: there decode_mma takes K splits at its usual
+    # rows, groups of 8 from 1 row up to 1024 wide from K = 8192, and 2:4 from 1 row.
+    assert _kernels.cuda_path(3, 2, 8, 11008, 3072, "float16") == dm
+    assert _kernels.cuda_path(2, 2, 8, 11008, 3072, "float16") == "decode"
+    assert _kernels.cuda_path(1, 1, 8, 11008, 1024, "float16") == dm
+    assert _kernels.cuda_path(1, 4, 16, 8192, 1024, "bfloat16") == dm
+    assert _kernels.cuda_path(1, 2, 8, 7168, 1024, "float16") == "decode"
+    assert _kernels.cuda_path(1, 2, 4, 14336, 2048, "float16") == dm
+    assert _kernels.cuda_path(1, 2, 4, 14336, 4096, "float16") == "decode"
+    assert _kernels.cuda_path(3, 2, 4, 14336, 1024, "float16") == dm  # the sparse tensor cores from 5 rows there
+    assert _kernels.cuda_path(3, 2, 4, 14336, 2048, "float16") != "decode_mma"  # but from 3 where wider
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float32", 4096)
     assert _kernels.cuda_path(1, 2, 8, 4096, 1024, "float16") == "decode"
     assert _kernels.cuda_path(2, 2, 8, 4096, 1024, "float16") == dm
@@ -299,7 +310,8 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(2, 2, 4, 1024, 4096, "float16") == dm
     assert _kernels.cuda_path(1, 2, 4, 1024, 1024, "float16") == dm
     assert _kernels.cuda_path(2, 2, 4, 7616, 2048, "bfloat16") == dm
-    assert _kernels.cuda_path(1, 2, 4, 7624, 2048, "float16") == "decode"
+    assert _kernels.cuda_path(1, 2, 4, 7624, 4096, "float16") == "decode"  # K split: decode where 4096 wide,
+    assert _kernels.cuda_path(1, 2, 4, 7624, 2048, "float16") == dm  # decode_mma narrower (session 68)
     assert _kernels.cuda_path(2, 2, 4, 4096, 6144, "float16") == dm
     assert _kernels.cuda_path(1, 2, 4, 4096, 6160, "float16") == "decode"
     assert _kernels.cuda_path(4, 2, 4, 4096, 6144, "float16") == dm  # past 4096 wide to 4 rows

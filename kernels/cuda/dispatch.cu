@@ -34,7 +34,8 @@
 //    within 2%. Session 35 (the first version): 1.34-1.73x the rule before it at 9-16 rows on the
 //    K = 4096 LLaMA projections (wgmma_sp before). Calls that read a 2:4 copy keep it from 9 rows,
 //    as does 2:4. Where it splits K (the down projections), groups of 8 start at 5 rows while
-//    decode stages K once (session 37: decode 1.04-1.18x at 4 rows on 11008 x 4096; session 38:
+//    decode stages K once, on outputs at least kDecodeFullGridNout wide (session 68: narrower ones,
+//    where decode's grid leaves SMs idle, keep decode_mma's usual rows) (session 37: decode 1.04-1.18x at 4 rows on 11008 x 4096; session 38:
 //    for 1:4 decode_mma 1.03-1.05x at 3-4 rows there), and 2:4 takes the sparse tensor cores from
 //    3 rows (session 37: against the rule before, 1.07-1.97x at 3-16 rows on 11008 and 14336 x
 //    4096 where the choice changed).
@@ -448,17 +449,26 @@ bool staging_pays(const CudaMatMul& call) {
 }
 
 // 2:4 calls decode_mma takes at its first rows, on the sparse MMA: up to kTwoOfFourMmaWideNout
-// wide where one block holds K (`splits`: decode_mma splits K over a cluster).
+// wide where one block holds K, and where it splits K over a cluster (`splits`) on outputs too
+// narrow for decode's grid to fill the GPU (session 68, H200, ab_kernels --path decode --path
+// decode_mma: 1.11-1.58x decode at 1-2 rows on 8192 x 2048, 14336 x 2048, 11008 x 3072 and 14336 x
+// 3072).
 bool two_of_four_mma_wide(const CudaMatMul& call, bool splits) {
-  return call.shape.n == 2 && call.shape.m == 4 && !splits && call.shape.nout <= kTwoOfFourMmaWideNout;
+  return call.shape.n == 2 && call.shape.m == 4 && call.shape.nout <= kTwoOfFourMmaWideNout &&
+         (!splits || call.shape.nout < kDecodeFullGridNout);
 }
 
 // The fewest rows decode_mma takes a call from (choose_path's rule, below). `splits`: it splits K
-// over a cluster; where decode then stages K in one chunk, decode keeps the first rows (groups of 4
-// aside). Four entries a group (4:8, 4:16), which cost more to build into fragments, start at 3
-// rows on narrower outputs than groups of 8 (session 48). 2:4, whose weight goes to the sparse
-// MMA as it is, up to kTwoOfFourMmaWideNout wide where one block holds K: from 1 row, or from 2
-// below K = kTwoOfFourMmaOneRowK (session 62, H200, ab_kernels --path decode_mma --path auto at
+// over a cluster; where decode then stages K in one chunk and its grid fills the GPU, decode keeps
+// the first rows (groups of 4 aside). Narrower, decode leaves SMs idle (a block per 32 outputs):
+// session 68 (H200, ab_kernels --path decode --path decode_mma at 1-4 rows) found decode_mma
+// 1.87-2.17x decode at 3-4 rows on 11008 x 1024 and 1.10-1.18x on 11008 x 3072 for 2:8 and 1:8
+// (4:16 0.97x). Up to 1024 wide, groups of 8 start at 1 row from K = kDecodeMmaOneRowK (there
+// 1.04-1.38x decode at 1 row, 1.15-1.68x at 2, on 8192, 11008 and 14336 x 1024 for 2:8, 1:8 and
+// 4:16; level with decode at K = 1024-4096). Four entries a group (4:8, 4:16), which cost more
+// to build into fragments, start at 3 rows on narrower outputs than groups of 8 (session 48). 2:4,
+// whose weight goes to the sparse MMA as it is, where two_of_four_mma_wide takes it: from 1 row, or
+// from 2 below K = kTwoOfFourMmaOneRowK (session 62, H200, ab_kernels --path decode_mma --path auto at
 // 1-2 rows: 1.03-1.23x decode on 2048 x 2048, 4096 x 4096, 4096 x 5120, 4096 x 6144 and 5120 x
 // 5120, 0.95x on 1024 x 4096 at 1 row; 0.88-0.93x at 1 row from 4096 x 8192 to 4096 x 28672).
 // From 3 rows, wider than kTwoOfFourSpWideNout, the sparse tensor cores take it.
@@ -467,9 +477,11 @@ int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
   const bool groups_of_4 = call.shape.m == 4;
   if (two_of_four_mma_wide(call, splits))
     return call.shape.k >= kTwoOfFourMmaOneRowK || nout <= kDecodeMmaNarrowestNout ? 1 : 2;
-  const bool decode_stages_k_once = splits && !groups_of_4 && decode_single_chunk(call);
+  const bool decode_stages_k_once =
+      splits && !groups_of_4 && nout >= kDecodeFullGridNout && decode_single_chunk(call);
   const int64_t mid_nout = call.shape.n == 4 ? kDecodeMmaFourMidNout : kDecodeMmaMidNout;
-  const int64_t from = nout <= kDecodeMmaNarrowestNout ? (groups_of_4 ? 1 : 2)
+  const int64_t narrowest_from = groups_of_4 || call.shape.k >= kDecodeMmaOneRowK ? 1 : 2;
+  const int64_t from = nout <= kDecodeMmaNarrowestNout ? narrowest_from
                        : groups_of_4 || nout <= mid_nout ? 3
                                                          : kDecodeMmaFromRows;
   return decode_stages_k_once ? std::max(from, kDecodeMmaFromRows) : from;
@@ -510,11 +522,13 @@ CudaPath choose_path(const CudaMatMul& call) {
     // Up to kTwoOfFourMmaWideNout wide, where one block holds K, decode_mma keeps 2:4 to 4 rows
     // (session 62, H200, ab_kernels --path decode_mma --path wgmma_sp on 4096 x 5120, 4096 x 6144,
     // 5120 x 5120 and 6144 x 6144: 1.02-1.13x at 3-4 rows, 0.95-1.06x at 6-8; on 4096 x 8192
-    // 0.92-0.98x).
+    // 0.92-0.98x). Where it splits K, it keeps them only up to 1024 wide (session 68, same command:
+    // 1.04-1.09x on 8192 and 14336 x 1024; 0.90-1.01x on 8192 and 14336 x 2048, 11008 and 14336 x 3072).
     const bool two_of_four_sp_early = decode_mma_splits || nout > kTwoOfFourSpWideNout;
-    const int64_t two_of_four_sp_from = two_of_four_sp_early && !two_of_four_mma_wide(call, decode_mma_splits)
-                                            ? kTwoOfFourSpFromRows
-                                            : kDecodeMmaFromRows;
+    const bool mma_keeps_4_rows = two_of_four_mma_wide(call, decode_mma_splits) &&
+                                  (!decode_mma_splits || nout <= kDecodeMmaNarrowestNout);
+    const int64_t two_of_four_sp_from =
+        two_of_four_sp_early && !mma_keeps_4_rows ? kTwoOfFourSpFromRows : kDecodeMmaFromRows;
     const bool two_of_four_sp = two_of_four && call.rows >= two_of_four_sp_from && sparse_grid &&
                                 path_supported(call, CudaPath::wgmma_sp);
     if (decode_mma_takes && !(two_of_four_sp && two_of_four_sp_early)) return CudaPath::decode_mma;
