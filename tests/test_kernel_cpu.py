@@ -261,15 +261,17 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(5, 4, 8, 11008, 4096, "float16") == dm
     # Narrower than 4096, decode's grid leaves SMs idle: there decode_mma takes K splits at its usual
     # rows, groups of 8 from 1 row up to 1024 wide from K = 8192, and 2:4 from 1 row.
-    assert _kernels.cuda_path(3, 2, 8, 11008, 3072, "float16") == dm
-    assert _kernels.cuda_path(2, 2, 8, 11008, 3072, "float16") == "decode"
-    assert _kernels.cuda_path(1, 1, 8, 11008, 1024, "float16") == dm
-    assert _kernels.cuda_path(1, 4, 16, 8192, 1024, "bfloat16") == dm
-    assert _kernels.cuda_path(1, 2, 8, 7168, 1024, "float16") == "decode"
-    assert _kernels.cuda_path(1, 2, 4, 14336, 2048, "float16") == dm
-    assert _kernels.cuda_path(1, 2, 4, 14336, 4096, "float16") == "decode"
-    assert _kernels.cuda_path(3, 2, 4, 14336, 1024, "float16") == dm  # the sparse tensor cores from 5 rows there
-    assert _kernels.cuda_path(3, 2, 4, 14336, 2048, "float16") != "decode_mma"  # but from 3 where wider
+    # 2:4 keeps decode_mma to 4 rows there only up to 1024 wide (the sparse tensor cores from 3 rows wider).
+    for rows, n, m, k, nout, dtype, path in [(3, 2, 8, 11008, 3072, "float16", dm),
+                                             (2, 2, 8, 11008, 3072, "float16", "decode"),
+                                             (1, 1, 8, 11008, 1024, "float16", dm),
+                                             (1, 4, 16, 8192, 1024, "bfloat16", dm),
+                                             (1, 2, 8, 7168, 1024, "float16", "decode"),
+                                             (1, 2, 4, 14336, 2048, "float16", dm),
+                                             (1, 2, 4, 14336, 4096, "float16", "decode"),
+                                             (3, 2, 4, 14336, 1024, "float16", dm)]:
+        assert _kernels.cuda_path(rows, n, m, k, nout, dtype) == path, (rows, n, m, k, nout)
+    assert _kernels.cuda_path(3, 2, 4, 14336, 2048, "float16") != "decode_mma"
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float32", 4096)
     assert _kernels.cuda_path(1, 2, 8, 4096, 1024, "float16") == "decode"
     assert _kernels.cuda_path(2, 2, 8, 4096, 1024, "float16") == dm
