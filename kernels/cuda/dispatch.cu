@@ -34,11 +34,11 @@
 //    within 2%. Session 35 (the first version): 1.34-1.73x the rule before it at 9-16 rows on the
 //    K = 4096 LLaMA projections (wgmma_sp before). Calls that read a 2:4 copy keep it from 9 rows,
 //    as does 2:4. Where it splits K (the down projections), groups of 8 start at 5 rows while
-//    decode stages K once, on outputs at least kDecodeFullGridNout wide (session 68: narrower ones,
-//    where decode's grid leaves SMs idle, keep decode_mma's usual rows) (session 37: decode 1.04-1.18x at 4 rows on 11008 x 4096; session 38:
+//    decode stages K once (session 37: decode 1.04-1.18x at 4 rows on 11008 x 4096; session 38:
 //    for 1:4 decode_mma 1.03-1.05x at 3-4 rows there), and 2:4 takes the sparse tensor cores from
 //    3 rows (session 37: against the rule before, 1.07-1.97x at 3-16 rows on 11008 and 14336 x
-//    4096 where the choice changed).
+//    4096 where the choice changed); since session 68 only on outputs at least kDecodeFullGridNout
+//    wide: narrower, where decode's grid leaves SMs idle, decode_mma_from_rows has the rule.
 //  * 4:8 and 4:16 (fp16/bf16, the same K limits but 4:16's, 34816 and 68608) on decode_mma
 //    (session 46, H100, ab_kernels --path decode|decode_mma|mma at 1-16 rows on eight shapes, 4096
 //    x 1024 to 4096 x 28672: at 12-16 rows 1.55-2.96x the faster of decode and mma everywhere).
@@ -462,8 +462,8 @@ bool two_of_four_mma_wide(const CudaMatMul& call, bool splits) {
 // over a cluster; where decode then stages K in one chunk and its grid fills the GPU, decode keeps
 // the first rows (groups of 4 aside). Narrower, decode leaves SMs idle (a block per 32 outputs):
 // session 68 (H200, ab_kernels --path decode --path decode_mma at 1-4 rows) found decode_mma
-// 1.87-2.17x decode at 3-4 rows on 11008 x 1024 and 1.10-1.18x on 11008 x 3072 for 2:8 and 1:8
-// (4:16 0.97x). Up to 1024 wide, groups of 8 start at 1 row from K = kDecodeMmaOneRowK (there
+// 1.87-2.17x decode at 3-4 rows on 11008 x 1024 (2:8, 1:8, 4:16), and 1.10-1.18x on 11008 x 3072
+// for 2:8 and 1:8 (4:16 0.97x). Up to 1024 wide, groups of 8 start at 1 row from K = kDecodeMmaOneRowK (there
 // 1.04-1.38x decode at 1 row, 1.15-1.68x at 2, on 8192, 11008 and 14336 x 1024 for 2:8, 1:8 and
 // 4:16; level with decode at K = 1024-4096). Four entries a group (4:8, 4:16), which cost more
 // to build into fragments, start at 3 rows on narrower outputs than groups of 8 (session 48). 2:4,
