@@ -229,15 +229,14 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
 // (BENCHMARKS.md, session 67: 1.02-1.05x at 1 row and 1.07-1.12x at 2 on 4096 x 11008, 14336 and
 // 28672). The general walk keeps stage_activations: the halves around its loop's first loads
 // compiled its register buffers to local memory, and written before the loop, spilled.
-// kLoads: 2 vectors a thread, and 4 in a second kernel for 2 rows of 16-bit types where X needs
+// kMostLoads: 2 vectors a thread, and 4 in a second kernel for 2 rows of 16-bit types where X needs
 // more (K up to 16384; launch). Session 68: that kernel made 2 rows on 11008 and 14336 x 4096
 // 1.12-1.18x (2:8, 2:4, 1:4, 4:16); 4 loads in the one kernel of every call had made 4096 x 4096
 // 0.97-0.99x at 1-2 rows.
-template <typename T, typename S, int R, typename Layout, int kLoads = 2>
+template <typename T, typename S, int R, typename Layout, int kMostLoads = 2>
 struct StagingInHalves {
   static constexpr int VEC = 16 / sizeof(T);
   static constexpr int kRun = Layout::kRun > 0 ? Layout::kRun : VEC;
-  static constexpr int kMostLoads = kLoads;
   uint4 held[kMostLoads];
   __host__ __device__ static int vectors(const DecodeParamsT<T>& p) {
     return p.staged_positions / kRun * (kRun / VEC) * R;
@@ -648,6 +647,9 @@ int64_t chunk_groups(int64_t groups, int m) {
   return std::min(chunk, (groups + VEC - 1) / VEC * VEC);
 }
 
+template <int V>
+using Int = std::integral_constant<int, V>;
+
 template <typename T, int R, int kN, int kM>
 cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(T);
@@ -674,8 +676,6 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
     return launch_split_k(decode_kernel<T, R, kN, kM, walk_rows(), x_loads()>, dim3(persistent_blocks(tiles, slots)),
                           kThreads, smem, stream, 1, true, p);
   };
-  using TwoLoads = std::integral_constant<int, 2>;
-  using FourLoads = std::integral_constant<int, 4>;
   int64_t slots = 0;
   // The whole-row walk where K is staged once and blocks walk more than one tile; since it stages X
   // in halves (session 67), also calls it stages in halves where each block has one tile: at 2
@@ -700,22 +700,19 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
       // 2 rows of 16-bit X past 2 vectors a thread: the kernel that holds 4, which then always walks
       // whole rows (at 2 rows the halves take every grid).
       if constexpr (R == 2 && sizeof(T) == 2) {
-        if (!halves && StagingInHalves<T, StageT<T, R>, R, Layout, FourLoads::value>::applies(p)) {
-          if (cudaError_t e = slots_of(std::true_type{}, FourLoads{}, slots); e != cudaSuccess) return e;
-          return launch_kernel(std::true_type{}, FourLoads{}, slots);
+        if (!halves && StagingInHalves<T, StageT<T, R>, R, Layout, 4>::applies(p)) {
+          if (cudaError_t e = slots_of(std::true_type{}, Int<4>{}, slots); e != cudaSuccess) return e;
+          return launch_kernel(std::true_type{}, Int<4>{}, slots);
         }
       }
-      if (cudaError_t e = slots_of(std::true_type{}, TwoLoads{}, slots); e != cudaSuccess) return e;
+      if (cudaError_t e = slots_of(std::true_type{}, Int<2>{}, slots); e != cudaSuccess) return e;
       if (tiles > slots || (halves && (R == 2 || 4 * tiles >= 3 * slots)))
-        return launch_kernel(std::true_type{}, TwoLoads{}, slots);
+        return launch_kernel(std::true_type{}, Int<2>{}, slots);
     }
   }
-  if (cudaError_t e = slots_of(std::false_type{}, TwoLoads{}, slots); e != cudaSuccess) return e;
-  return launch_kernel(std::false_type{}, TwoLoads{}, slots);
+  if (cudaError_t e = slots_of(std::false_type{}, Int<2>{}, slots); e != cudaSuccess) return e;
+  return launch_kernel(std::false_type{}, Int<2>{}, slots);
 }
-
-template <int V>
-using Int = std::integral_constant<int, V>;
 
 // Calls f(Int<R>, Int<kN>, Int<kM>) for the kernel that serves `rows` (1..16) activation rows of
 // pattern n:m: R = rows padded to 1, 2, 4, 8 or 16; the families users prune to are compiled with

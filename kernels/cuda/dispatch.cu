@@ -463,14 +463,15 @@ bool two_of_four_mma_wide(const CudaMatMul& call, bool splits) {
 // the first rows (groups of 4 aside). Narrower, decode leaves SMs idle (a block per 32 outputs):
 // session 68 (H200, ab_kernels --path decode --path decode_mma at 1-4 rows) found decode_mma
 // 1.87-2.17x decode at 3-4 rows on 11008 x 1024 (2:8, 1:8, 4:16), and 1.10-1.18x on 11008 x 3072
-// for 2:8 and 1:8 (4:16 0.97x). Up to 1024 wide, groups of 8 start at 1 row from K = kDecodeMmaOneRowK (there
-// 1.04-1.38x decode at 1 row, 1.15-1.68x at 2, on 8192, 11008 and 14336 x 1024 for 2:8, 1:8 and
-// 4:16; level with decode at K = 1024-4096). Four entries a group (4:8, 4:16), which cost more
-// to build into fragments, start at 3 rows on narrower outputs than groups of 8 (session 48). 2:4,
-// whose weight goes to the sparse MMA as it is, where two_of_four_mma_wide takes it: from 1 row, or
-// from 2 below K = kTwoOfFourMmaOneRowK (session 62, H200, ab_kernels --path decode_mma --path auto at
-// 1-2 rows: 1.03-1.23x decode on 2048 x 2048, 4096 x 4096, 4096 x 5120, 4096 x 6144 and 5120 x
-// 5120, 0.95x on 1024 x 4096 at 1 row; 0.88-0.93x at 1 row from 4096 x 8192 to 4096 x 28672).
+// for 2:8 and 1:8 (4:16 0.97x). Up to 1024 wide, groups of 8 start at 1 row from K =
+// kDecodeMmaOneRowK (there 1.04-1.38x decode at 1 row, 1.15-1.68x at 2, on 8192, 11008 and 14336 x
+// 1024 for 2:8, 1:8 and 4:16; level with decode at K = 1024-4096). Four entries a group (4:8,
+// 4:16), which cost more to build into fragments, start at 3 rows on narrower outputs than groups
+// of 8 (session 48). 2:4, whose weight goes to the sparse MMA as it is, where two_of_four_mma_wide
+// takes it: from 1 row, or from 2 below K = kTwoOfFourMmaOneRowK (session 62, H200, ab_kernels
+// --path decode_mma --path auto at 1-2 rows: 1.03-1.23x decode on 2048 x 2048, 4096 x 4096, 4096 x
+// 5120, 4096 x 6144 and 5120 x 5120, 0.95x on 1024 x 4096 at 1 row; 0.88-0.93x at 1 row from 4096 x
+// 8192 to 4096 x 28672).
 // From 3 rows, wider than kTwoOfFourSpWideNout, the sparse tensor cores take it.
 int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
   const int64_t nout = call.shape.nout;
@@ -523,7 +524,8 @@ CudaPath choose_path(const CudaMatMul& call) {
     // (session 62, H200, ab_kernels --path decode_mma --path wgmma_sp on 4096 x 5120, 4096 x 6144,
     // 5120 x 5120 and 6144 x 6144: 1.02-1.13x at 3-4 rows, 0.95-1.06x at 6-8; on 4096 x 8192
     // 0.92-0.98x). Where it splits K, it keeps them only up to 1024 wide (session 68, same command:
-    // 1.04-1.09x on 8192 and 14336 x 1024; 0.90-1.01x on 8192 and 14336 x 2048, 11008 and 14336 x 3072).
+    // 1.04-1.09x on 8192 and 14336 x 1024; 0.90-1.01x on 8192 and 14336 x 2048, 11008 and 14336 x
+    // 3072).
     const bool two_of_four_sp_early = decode_mma_splits || nout > kTwoOfFourSpWideNout;
     const bool mma_keeps_4_rows = two_of_four_mma_wide(call, decode_mma_splits) &&
                                   (!decode_mma_splits || nout <= kDecodeMmaNarrowestNout);
