@@ -103,8 +103,9 @@ def paths_for(rows, pattern, dtype_name, k):
                                          # 129 tiles, one a block: the whole-row walk since session 67
                                          (1, 4104, 4300), (2, 4104, 4300), (1, 4104, 4100),
                                          # at 2 rows X of 8200: 16-bit types stage it in halves
-                                         # with a third load for some threads, fp32 at once
-                                         (2, 8200, 4300),
+                                         # with a third load for some threads, fp32 at once; at 1
+                                         # row X of 20000 (past 16384), with a third load
+                                         (2, 8200, 4300), (1, 20000, 4300),
                                          (9, 515, 200), (16, 2048, 77), (17, 130, 300), (64, 1024, 96),
                                          (100, 333, 65), (1100, 264, 3900), (1100, 200, 3900),
                                          # decode: activations staged in several K chunks; many row tiles per block

@@ -229,10 +229,11 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
 // (BENCHMARKS.md, session 67: 1.02-1.05x at 1 row and 1.07-1.12x at 2 on 4096 x 11008, 14336 and
 // 28672). The general walk keeps stage_activations: the halves around its loop's first loads
 // compiled its register buffers to local memory, and written before the loop, spilled.
-// kMostLoads: 2 vectors a thread, and 4 in a second kernel for 2 rows of 16-bit types where X needs
-// more (K up to 16384; launch). Session 68: that kernel made 2 rows on 11008 and 14336 x 4096
-// 1.12-1.18x (2:8, 2:4, 1:4, 4:16); 4 loads in the one kernel of every call had made 4096 x 4096
-// 0.97-0.99x at 1-2 rows.
+// kMostLoads: 2 vectors a thread, and 4 in a second kernel for 1-2 rows of 16-bit types where X
+// needs more (K up to 16384 at 2 rows, 32768 at 1; launch). Session 68: that kernel made 2 rows on
+// 11008 and 14336 x 4096 1.12-1.18x (2:8, 2:4, 1:4, 4:16); 4 loads in the one kernel of every call
+// had made 4096 x 4096 0.97-0.99x at 1-2 rows. Session 69, at 1 row: 1.08-1.18x with a tile a block
+// (28672 x 4096, 18944 x 3584), 1.01-1.03x where blocks walk several (but 1:8, 0.96-1.00x).
 template <typename T, typename S, int R, typename Layout, int kMostLoads = 2>
 struct StagingInHalves {
   static constexpr int VEC = 16 / sizeof(T);
@@ -697,17 +698,22 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
     if (p.chunk_groups >= p.groups && !one_step_rows_of_1_8) {
       using Layout = LayoutFor<T, kN, kM>;
       const bool halves = StagingInHalves<T, StageT<T, R>, R, Layout>::applies(p);
-      // 2 rows of 16-bit X past 2 vectors a thread: the kernel that holds 4, which then always walks
-      // whole rows (at 2 rows the halves take every grid).
-      if constexpr (R == 2 && sizeof(T) == 2) {
+      // Where the halves take a call: at 2 rows every grid, at 1 row grids that fill at least three
+      // quarters of the slots.
+      auto halves_take = [&] { return R == 2 || 4 * tiles >= 3 * slots; };
+      // 16-bit X past 2 vectors a thread (2 rows past K = 8192, 1 row past 16384): the kernel that
+      // holds 4. At 1 row 1:8 takes it only with a tile a block: where blocks walk several tiles it
+      // ran 0.96-1.00x the one-piece staging (session 69, 20480 x 5120, 27648 x 5120, 28672 x 8192).
+      if constexpr (sizeof(T) == 2) {
         if (!halves && StagingInHalves<T, StageT<T, R>, R, Layout, 4>::applies(p)) {
           if (cudaError_t e = slots_of(std::true_type{}, Int<4>{}, slots); e != cudaSuccess) return e;
-          return launch_kernel(std::true_type{}, Int<4>{}, slots);
+          const bool several_tiles = tiles > slots;
+          if ((several_tiles && !(R == 1 && kN == 1 && kM == 8)) || (!several_tiles && halves_take()))
+            return launch_kernel(std::true_type{}, Int<4>{}, slots);
         }
       }
       if (cudaError_t e = slots_of(std::true_type{}, Int<2>{}, slots); e != cudaSuccess) return e;
-      if (tiles > slots || (halves && (R == 2 || 4 * tiles >= 3 * slots)))
-        return launch_kernel(std::true_type{}, Int<2>{}, slots);
+      if (tiles > slots || (halves && halves_take())) return launch_kernel(std::true_type{}, Int<2>{}, slots);
     }
   }
   if (cudaError_t e = slots_of(std::false_type{}, Int<2>{}, slots); e != cudaSuccess) return e;
