@@ -260,7 +260,8 @@ def test_library_reports_cuda_when_built_with_nvcc():
     assert _kernels.cuda_path(4, 4, 8, 11008, 4096, "float16") == "decode"  # one chunk, decode_mma splits K
     assert _kernels.cuda_path(5, 4, 8, 11008, 4096, "float16") == dm
     # Narrower than 4096, decode's grid leaves SMs idle: there decode_mma takes K splits at its usual
-    # rows, groups of 8 from 1 row up to 1024 wide from K = 8192, and 2:4 from 1 row.
+    # rows, groups of 8 from 1 row up to 1024 wide from K = 8192 (to 2048 wide 1:4 from 1 row, 2:8
+    # and 1:8 from 2 where decode_mma holds K), and 2:4 from 1 row.
     # 2:4 keeps decode_mma to 4 rows there only up to 1024 wide (the sparse tensor cores from 3 rows wider).
     for rows, n, m, k, nout, dtype, path in [(3, 2, 8, 11008, 3072, "float16", dm),
                                              (2, 2, 8, 11008, 3072, "float16", "decode"),
@@ -269,7 +270,23 @@ def test_library_reports_cuda_when_built_with_nvcc():
                                              (1, 2, 8, 7168, 1024, "float16", "decode"),
                                              (1, 2, 4, 14336, 2048, "float16", dm),
                                              (1, 2, 4, 14336, 4096, "float16", "decode"),
-                                             (3, 2, 4, 14336, 1024, "float16", dm)]:
+                                             (3, 2, 4, 14336, 1024, "float16", dm),
+                                             # 1025-2048 wide from K = 8192: 1:4 from 1 row, 2:8 and 1:8
+                                             # from 2 where decode_mma holds K (8192), else from 3
+                                             (1, 1, 4, 8192, 2048, "float16", dm),
+                                             (1, 1, 4, 14336, 2048, "float16", dm),
+                                             (1, 1, 4, 4096, 2048, "float16", "decode"),
+                                             (2, 2, 8, 8192, 2048, "bfloat16", dm),
+                                             (2, 1, 8, 8192, 1536, "float16", dm),
+                                             (2, 2, 8, 11008, 2048, "float16", "decode"),
+                                             (2, 1, 8, 14336, 2048, "float16", "decode"),
+                                             (1, 2, 8, 8192, 2048, "float16", "decode"),
+                                             (2, 4, 16, 8192, 2048, "float16", "decode"),
+                                             (2, 2, 8, 8192, 3072, "float16", "decode"),
+                                             # 2:4 at 2 rows past 2048 wide: decode (decode_mma at 1)
+                                             (2, 2, 4, 8192, 3072, "float16", "decode"),
+                                             (1, 2, 4, 8192, 3072, "float16", dm),
+                                             (2, 2, 4, 14336, 2048, "float16", dm)]:
         assert _kernels.cuda_path(rows, n, m, k, nout, dtype) == path, (rows, n, m, k, nout)
     assert _kernels.cuda_path(3, 2, 4, 14336, 2048, "float16") != "decode_mma"
     assert not _kernels.cuda_path_supported("decode_mma", 8, 2, 8, "float32", 4096)

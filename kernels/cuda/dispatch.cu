@@ -452,7 +452,7 @@ bool staging_pays(const CudaMatMul& call) {
 // wide where one block holds K, and where it splits K over a cluster (`splits`) on outputs too
 // narrow for decode's grid to fill the GPU (session 68, H200, ab_kernels --path decode --path
 // decode_mma: 1.11-1.58x decode at 1-2 rows on 8192 x 2048, 14336 x 2048, 11008 x 3072 and 14336 x
-// 3072).
+// 3072; past 2048 wide, 2 rows went back to decode in session 69: choose_path).
 bool two_of_four_mma_wide(const CudaMatMul& call, bool splits) {
   return call.shape.n == 2 && call.shape.m == 4 && call.shape.nout <= kTwoOfFourMmaWideNout &&
          (!splits || call.shape.nout < kDecodeFullGridNout);
@@ -482,7 +482,16 @@ int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
       splits && !groups_of_4 && nout >= kDecodeFullGridNout && decode_single_chunk(call);
   const int64_t mid_nout = call.shape.n == 4 ? kDecodeMmaFourMidNout : kDecodeMmaMidNout;
   const int64_t narrowest_from = groups_of_4 || call.shape.k >= kDecodeMmaOneRowK ? 1 : 2;
+  // 1:4, 2:8 and 1:8 1025-2048 wide from K = kDecodeMmaOneRowK, where decode's grid fills at most
+  // 64 SMs (session 69, H200, ab_kernels --path auto against session 68's kernels on 8192, 11008 and
+  // 14336 x 2048 and 8192 x 1536): 1:4 from 1 row (1.01-1.27x at 1-2 rows); 2:8 and 1:8 from 2
+  // rows where decode_mma holds K in one block (8192: 1.09-1.16x), but not where it splits K
+  // (11008, 14336: 0.87-0.94x against decode's X in halves with 4 loads). 4:16 stays at 3 rows
+  // (session 68: decode_mma 0.89-0.93x at 1-2 rows on 8192 x 2048).
+  const bool long_k_mid = nout <= kDecodeMmaLongKNout && call.shape.k >= kDecodeMmaOneRowK &&
+                          ((call.shape.n == 1 && groups_of_4) || (call.shape.n <= 2 && !splits));
   const int64_t from = nout <= kDecodeMmaNarrowestNout ? narrowest_from
+                       : long_k_mid                    ? (groups_of_4 ? 1 : 2)
                        : groups_of_4 || nout <= mid_nout ? 3
                                                          : kDecodeMmaFromRows;
   return decode_stages_k_once ? std::max(from, kDecodeMmaFromRows) : from;
@@ -507,8 +516,14 @@ CudaPath choose_path(const CudaMatMul& call) {
   const int64_t nout = call.shape.nout;
   const bool decode_mma_splits = decode_mma_split(call.rows, call.shape.n, call.shape.m, call.shape.k) > 1;
   const int64_t decode_mma_from = decode_mma_from_rows(call, decode_mma_splits);
+  // 2:4 at 2 rows where decode_mma splits K on outputs 2049-4095 wide: decode, whose X goes in
+  // halves with 4 loads a thread there since session 68, ran 1.02-1.09x decode_mma on 8192, 11008
+  // and 14336 x 3072 (session 69, H200, ab_kernels --path decode --path decode_mma; decode_mma kept
+  // 1 row, 1.05-1.12x, and 2048 wide both rows, 1.16-1.46x).
+  const bool decode_keeps_2_rows_of_2_4 =
+      two_of_four && call.rows == 2 && decode_mma_splits && nout > kDecodeMmaLongKNout;
   // (path_supported limits it to the six families decode_mma.cu compiles.)
-  const bool decode_mma_takes = call.rows >= decode_mma_from &&
+  const bool decode_mma_takes = call.rows >= decode_mma_from && !decode_keeps_2_rows_of_2_4 &&
                                 !(call.rows > kDecodeMmaCrossover && (two_of_four || has_copy(call))) &&
                                 path_supported(call, CudaPath::decode_mma);
   const int64_t weight_tiles = (nout + kWgmmaWeightTile - 1) / kWgmmaWeightTile;

@@ -62,6 +62,7 @@ constexpr int64_t kTwoOfFourMmaWideNout = 6144;    // 2:4 on decode_mma at 1-4 r
 constexpr int64_t kTwoOfFourMmaOneRowK = 2048;     // at 1 row from this K (or up to 1024 wide)
 constexpr int64_t kDecodeMmaOneRowK = 8192;        // groups of 8 up to 1024 wide from 1 row from this K
 constexpr int64_t kDecodeFullGridNout = 4096;      // decode's row tiles fill the GPU from this Nout
+constexpr int64_t kDecodeMmaLongKNout = 2048;      // from kDecodeMmaOneRowK: 1:4 from 1 row, 2:8, 1:8 from 2 to here
 constexpr int64_t kWgmmaCrossover = 128;    // the wgmma path from this many rows (sm_90) ...
 constexpr int64_t kWgmmaMinBlocks = 16;     // ... when its grid of smallest tiles has this many blocks,
 constexpr int64_t kWgmmaWideTiles = 8;      // and from 17 rows (the sparse one 9) with this many weight tiles
