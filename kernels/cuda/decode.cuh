@@ -233,7 +233,7 @@ __device__ __forceinline__ void stage_activations(const DecodeParamsT<T>& p, S* 
 // needs more (K up to 16384 at 2 rows, 32768 at 1; launch). Session 68: that kernel made 2 rows on
 // 11008 and 14336 x 4096 1.12-1.18x (2:8, 2:4, 1:4, 4:16); 4 loads in the one kernel of every call
 // had made 4096 x 4096 0.97-0.99x at 1-2 rows. Session 69, at 1 row: 1.08-1.18x with a tile a block
-// (28672 x 4096, 18944 x 3584), 1.01-1.03x where blocks walk several (but 1:8, 0.96-1.00x).
+// (28672 x 4096, 18944 x 3584), 1.01-1.03x where blocks walk several (but 1:8, 0.95-1.00x).
 template <typename T, typename S, int R, typename Layout, int kMostLoads = 2>
 struct StagingInHalves {
   static constexpr int VEC = 16 / sizeof(T);
@@ -703,7 +703,7 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
       auto halves_take = [&] { return R == 2 || 4 * tiles >= 3 * slots; };
       // 16-bit X past 2 vectors a thread (2 rows past K = 8192, 1 row past 16384): the kernel that
       // holds 4. At 1 row 1:8 takes it only with a tile a block: where blocks walk several tiles it
-      // ran 0.96-1.00x the one-piece staging (session 69, 20480 x 5120, 27648 x 5120, 28672 x 8192).
+      // ran 0.95-1.00x the one-piece staging (session 69, 20480 x 5120, 27648 x 5120, 28672 x 8192).
       if constexpr (sizeof(T) == 2) {
         if (!halves && StagingInHalves<T, StageT<T, R>, R, Layout, 4>::applies(p)) {
           if (cudaError_t e = slots_of(std::true_type{}, Int<4>{}, slots); e != cudaSuccess) return e;
