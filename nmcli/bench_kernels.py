@@ -342,8 +342,19 @@ def shared_baseline(rows: list[KernelRow]) -> list[KernelRow]:
     return shared
 
 
-def default_shapes(include_nmsparse=True, include_llama=True, rows=None) -> list[tuple[int, int, int]]:
-    """(m, k, n) to time: each set's K x N at its row counts, or at `rows` when given."""
+def parse_weight_shape(text: str) -> tuple[int, int]:
+    """'KxN' (as `--shape 8192x3072`) -> (K, N); NmcliError unless both are positive integers."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise NmcliError(f"--shape must be KxN with positive integers (e.g. 8192x3072), not '{text}'")
+    return int(parts[0]), int(parts[1])
+
+
+def default_shapes(include_nmsparse=True, include_llama=True, rows=None, weights=None) -> list[tuple[int, int, int]]:
+    """(m, k, n) to time: each set's K x N at its row counts, or at `rows` when given; with
+    `weights` ((K, N) pairs), those alone, at `rows` or the LLaMA set's row counts."""
+    if weights:
+        return list(dict.fromkeys((m, k, n) for (k, n) in weights for m in rows or DECODE_MS + [256, 4096]))
     shapes = []
     if include_llama:
         shapes += [(m, k, n) for (k, n) in LLAMA_KN for m in rows or DECODE_MS + [256, 4096]]

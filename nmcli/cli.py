@@ -383,6 +383,9 @@ def bench_kernels(
                                                        "or nmsparse (the nmSPARSE operator table)."),
     rows: List[int] = typer.Option([], "--rows", min=1, help="Activation row counts to time on the shapes' K x N, "
                                                            "instead of their own (repeatable)."),
+    shape: List[str] = typer.Option([], "--shape", help="Weight shape KxN to time instead of --shapes' sets, "
+                                                        "e.g. 8192x3072 (repeatable); at --rows, else at 1, 2, "
+                                                        "4, 8, 16, 256 and 4096 rows."),
     replays: int = typer.Option(20, "--replays", min=3, help="Timed graph replays per measurement (median)."),
     path: str = typer.Option("auto", "--path", help="auto (the dispatch's choice), decode, decode_mma, mma, wgmma, "
                                                    "wgmma_sp, vector or tiled; calls a forced path cannot run are "
@@ -412,9 +415,10 @@ def bench_kernels(
         raise NmcliError(f"--shapes must be all, llama or nmsparse, not '{shapes}'")
     if path not in ("auto", "decode", "decode_mma", "mma", "wgmma", "wgmma_sp", "vector", "tiled"):
         raise NmcliError(f"--path must be auto, decode, decode_mma, mma, wgmma, wgmma_sp, vector or tiled, not '{path}'")
+    weights = [bk.parse_weight_shape(s) for s in shape]
     check_vector(vector)
     torch = bk.require_gpu()
-    todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse", rows)
+    todo = [(s, p) for s in bk.default_shapes(shapes != "llama", shapes != "nmsparse", rows, weights)
             for p in patterns if bk.path_for(*s, p, dtype, path, vector, prefill_copy)]
     if not todo:
         raise NmcliError(f"the {path} path runs none of the selected shapes")

@@ -176,3 +176,17 @@ def test_bench_kernels_rows_replace_the_table_rows():
     both = default_shapes(rows=[1])
     assert len(both) == len(set(both)) == len(set(LLAMA_KN) | set(NMSPARSE_KN))
     assert {m for m, _, _ in default_shapes(include_llama=False)} == {1, 256, 1024, 4096}
+
+
+def test_bench_kernels_shape_replaces_the_sets(tmp_path):
+    from nmcli.bench_kernels import default_shapes, parse_weight_shape
+
+    assert parse_weight_shape("8192x3072") == (8192, 3072)
+    assert parse_weight_shape("2048X512") == (2048, 512)
+    weights = [(8192, 3072), (3072, 1024), (8192, 3072)]
+    assert default_shapes(rows=[1, 17], weights=weights) == [(1, 8192, 3072), (17, 8192, 3072), (1, 3072, 1024),
+                                                             (17, 3072, 1024)]
+    assert {m for m, _, _ in default_shapes(weights=weights)} == {1, 2, 4, 8, 16, 256, 4096}
+    # A bad shape is refused before the GPU is looked for, on any machine.
+    for bad in ("8192", "8192x", "0x512", "ax3", "4x4x4"):
+        assert_one_line_error(run("bench", "kernels", "--shape", bad, cwd=tmp_path), "--shape must be KxN")
