@@ -485,7 +485,7 @@ int64_t decode_mma_from_rows(const CudaMatMul& call, bool splits) {
   // 1:4, 2:8 and 1:8 1025-2048 wide from K = kDecodeMmaOneRowK, where decode's grid fills at most
   // 64 SMs (session 69, H200, ab_kernels --path auto against session 68's kernels on 8192, 11008 and
   // 14336 x 2048 and 8192 x 1536): 1:4 from 1 row (1.01-1.27x at 1-2 rows); 2:8 and 1:8 from 2
-  // rows where decode_mma holds K in one block (8192: 1.09-1.16x), but not where it splits K
+  // rows where decode_mma holds K in one block (8192: 1.08-1.16x), but not where it splits K
   // (11008, 14336: 0.87-0.94x against decode's X in halves with 4 loads). 4:16 stays at 3 rows
   // (session 68: decode_mma 0.89-0.93x at 1-2 rows on 8192 x 2048).
   const bool long_k_mid = nout <= kDecodeMmaLongKNout && call.shape.k >= kDecodeMmaOneRowK &&
