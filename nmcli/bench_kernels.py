@@ -34,6 +34,7 @@ NMSPARSE_KN = [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (1024, 40
 # LLaMA-7B/8B projections (K, Nout); 4096 x 1024 is LLaMA-3-8B's K and V (8 key-value heads of 128).
 LLAMA_KN = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (4096, 1024)]
 DECODE_MS = [1, 2, 4, 8, 16]
+LLAMA_MS = DECODE_MS + [256, 4096]  # the LLaMA set's rows, and --shape's without --rows
 
 
 @dataclass
@@ -354,10 +355,10 @@ def default_shapes(include_nmsparse=True, include_llama=True, rows=None, weights
     """(m, k, n) to time: each set's K x N at its row counts, or at `rows` when given; with
     `weights` ((K, N) pairs), those alone, at `rows` or the LLaMA set's row counts."""
     if weights:
-        return list(dict.fromkeys((m, k, n) for (k, n) in weights for m in rows or DECODE_MS + [256, 4096]))
+        return list(dict.fromkeys((m, k, n) for (k, n) in weights for m in rows or LLAMA_MS))
     shapes = []
     if include_llama:
-        shapes += [(m, k, n) for (k, n) in LLAMA_KN for m in rows or DECODE_MS + [256, 4096]]
+        shapes += [(m, k, n) for (k, n) in LLAMA_KN for m in rows or LLAMA_MS]
     if include_nmsparse:
         shapes += [(m, k, n) for (k, n) in NMSPARSE_KN for m in rows or NMSPARSE_MS if (m, k, n) not in shapes]
     return shapes

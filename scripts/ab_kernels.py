@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--shape", action="append", metavar="KxN",
                         help="weight shape K x Nout (repeatable; default the LLaMA projections)")
     args = parser.parse_args()
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] if args.shape else SHAPES
+    shapes = [bench_kernels.parse_weight_shape(s) for s in args.shape] if args.shape else SHAPES
     paths = args.path or ["decode"]
     builds = {"new": installed}
     for spec in args.builds:

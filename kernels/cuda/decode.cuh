@@ -699,7 +699,7 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
       using Layout = LayoutFor<T, kN, kM>;
       const bool halves = StagingInHalves<T, StageT<T, R>, R, Layout>::applies(p);
       // Where the halves take a call: at 2 rows every grid, at 1 row grids that fill at least three
-      // quarters of the slots.
+      // quarters of the slots (so every grid whose blocks walk several tiles).
       auto halves_take = [&] { return R == 2 || 4 * tiles >= 3 * slots; };
       // 16-bit X past 2 vectors a thread (2 rows past K = 8192, 1 row past 16384): the kernel that
       // holds 4. At 1 row 1:8 takes it only with a tile a block: where blocks walk several tiles it
@@ -707,9 +707,8 @@ cudaError_t launch(DecodeParamsT<T> p, cudaStream_t stream) {
       if constexpr (sizeof(T) == 2) {
         if (!halves && StagingInHalves<T, StageT<T, R>, R, Layout, 4>::applies(p)) {
           if (cudaError_t e = slots_of(std::true_type{}, Int<4>{}, slots); e != cudaSuccess) return e;
-          const bool several_tiles = tiles > slots;
-          if ((several_tiles && !(R == 1 && kN == 1 && kM == 8)) || (!several_tiles && halves_take()))
-            return launch_kernel(std::true_type{}, Int<4>{}, slots);
+          const bool one_piece_1_8 = R == 1 && kN == 1 && kM == 8 && tiles > slots;
+          if (halves_take() && !one_piece_1_8) return launch_kernel(std::true_type{}, Int<4>{}, slots);
         }
       }
       if (cudaError_t e = slots_of(std::true_type{}, Int<2>{}, slots); e != cudaSuccess) return e;
