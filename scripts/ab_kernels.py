@@ -46,15 +46,18 @@ class Point:
     """One call's buffers: the packed weight replicated over sets past L2, activations, outputs;
     shared by every build, so all of them run on the same bytes."""
 
-    def __init__(self, m, k, n, pattern, values, indices, l2_bytes):
+    def __init__(self, m, k, n, pattern, values, indices, l2_bytes, resident=False):
         self.m, self.k, self.n, self.pattern = m, k, n, pattern
         self.dtype, size = values.dtype, values.element_size()
         self.moved = values.numel() * size + indices.numel() * 4 + (m * k + m * n) * size  # bytes a call moves
         self.sets = bench_kernels._sets_for(l2_bytes, self.moved)
-        self.values = [values.clone() for _ in range(self.sets)]
-        self.indices = [indices.clone() for _ in range(self.sets)]
-        self.x = [torch.randn(m, k, device="cuda", dtype=self.dtype) for _ in range(self.sets)]
-        self.y = [torch.empty(m, n, device="cuda", dtype=self.dtype) for _ in range(self.sets)]
+        # resident: one set launched as often, so that a weight smaller than L2 stays there (a
+        # diagnostic: what the kernel does without HBM's latency and bandwidth)
+        distinct = 1 if resident else self.sets
+        self.values = [values.clone() for _ in range(distinct)] * (self.sets // distinct)
+        self.indices = [indices.clone() for _ in range(distinct)] * (self.sets // distinct)
+        self.x = [torch.randn(m, k, device="cuda", dtype=self.dtype) for _ in range(distinct)] * (self.sets // distinct)
+        self.y = [torch.empty(m, n, device="cuda", dtype=self.dtype) for _ in range(distinct)] * (self.sets // distinct)
 
     def time_us(self, module, path: str) -> float:
         """Median microseconds per call of `module`'s kernel, with the workspace that build asks for
@@ -85,6 +88,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--shape", action="append", metavar="KxN",
                         help="weight shape K x Nout (repeatable; default the LLaMA projections)")
+    parser.add_argument("--resident", action="store_true",
+                        help="launch one buffer set over and over (weights smaller than L2 stay there): a "
+                             "diagnostic, not a measurement of a call")
     args = parser.parse_args()
     shapes = [bench_kernels.parse_weight_shape(s) for s in args.shape] if args.shape else SHAPES
     paths = args.path or ["decode"]
@@ -102,7 +108,7 @@ def main() -> None:
             values = torch.from_numpy(packed.values).to("cuda", getattr(torch, args.dtype))
             indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
             for m in args.rows or [1]:
-                point = Point(m, k, n, pattern, values, indices, l2_bytes)
+                point = Point(m, k, n, pattern, values, indices, l2_bytes, args.resident)
                 runs = {(name, path): [] for name in builds for path in paths}
                 plans = {}  # the tile plan each build ran, where it reports one (from session 51)
                 for _ in range(ROUNDS):

@@ -190,7 +190,9 @@ def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nou
     (wgmma_sp.cu, two_per_sm_split), which takes calls of up to 64 rows whose grid reaches 5/4 of
     the SMs: on 132 SMs 33 weight tiles split 5 ways (the last tile 4 columns, K a step past a
     whole number of 64-position steps), 97 tiles split 2 ways, 86 split 2 ways with a row count
-    off the 8-row MMA grain, and 172 tiles unsplit at 5 rows (K past 16 steps). Outputs poisoned."""
+    off the 8-row MMA grain, and 172 tiles unsplit at 5 rows (K past 16 steps). K = 2048 brings the
+    offset words by tensor copy (rows of whole 16-byte units), the other K by cp.async (but 1:4's
+    at K = 11008), both into the area apart from the steps. Outputs poisoned."""
     assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
 
 

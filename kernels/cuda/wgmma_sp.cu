@@ -758,12 +758,20 @@ __device__ __forceinline__ void regroup_share(const uint8_t* packed, OffsetWindo
 // fewer each.) A slot of one step holds a whole window, which only a group's first step uses, and
 // is rounded up to 1 KB: the 160-row tile fits 4 such stages in 216 KB, and 6 in slots of a group
 // (the 2:4 kernel with 4 stages on that tile instead of 6 ran 0.89-1.00x as fast, session 57). kPerSm
-// blocks share an SM: 1, or 2 with a ring of at most 100 KB each (two_per_sm_split), whose offset
-// words always go by cp.async (room for the tensor copies' wider rows would leave it too few stages).
+// blocks share an SM: 1, or 2 with a ring of at most 100 KB each (two_per_sm_split), which keeps the
+// offset words apart (kApart).
 template <int kN, int kM, int kRows, int kPerSm, bool kSlots>
 struct RegroupLayout {
   using F = sm90::Family<kN, kM>;
-  static constexpr bool kTensorOffsets = kPerSm == 1;  // where offset_rows_aligned (OffsetWindow)
+  // Two blocks an SM keep the offset words in an area of their own after the steps, one a group of
+  // the ring (a group's window, or its steps' words by cp.async): a window in every step's slot left
+  // 3 stages, too few, so until session 70 these blocks copied every step's words by cp.async. The
+  // windows by tensor copy (H200, ab_kernels at 17 and 64 rows on 4096 x 4096, 4096 x 11008,
+  // 4096 x 14336 and 14336 x 4096, against that): 2:8 1.11-1.19x, 1:4 1.06-1.14x, 1:8 1.03-1.07x.
+  // Probes with parts skipped (products wrong; BENCHMARKS.md, session 70): without the cp.async
+  // copies 2:8 had run 1.16-1.25x, without its regrouping 1.25-1.30x. Rows of offset words that are
+  // not whole 16-byte units (2:8 and 1:8 at K = 11008) still go by cp.async.
+  static constexpr bool kApart = kPerSm == 2;
   static constexpr size_t kX = static_cast<size_t>(kRows) * 128;
   static constexpr size_t kA = static_cast<size_t>(kTileW) * kStored * 2;
   static constexpr size_t kMeta = kThreads * 4;
@@ -771,10 +779,12 @@ struct RegroupLayout {
   static constexpr size_t kBudget = (kPerSm == 1 ? 216 : 100) * 1024;
   static constexpr size_t kStepWords = static_cast<size_t>(kTileW) * F::kIndexWords * 4;  // by cp.async
   static constexpr size_t kWindow = static_cast<size_t>(kTileW) * OffsetWindow::kWindowWords * 4;  // by tensor copy
-  // A slot of g steps, their offset words' room after them (swizzle atoms stay 1024-aligned).
+  // A slot of g steps, their offset words' room after them unless kApart (swizzle atoms stay
+  // 1024-aligned); the room of a group of g steps' words when kApart.
   static constexpr size_t slot_of(int g) {
-    return (g * kStep + std::max(kTensorOffsets ? kWindow : 0, g * kStepWords) + 1023) / 1024 * 1024;
+    return (g * kStep + (kApart ? 0 : std::max(kWindow, g * kStepWords)) + 1023) / 1024 * 1024;
   }
+  static constexpr size_t area_of(int g) { return std::max(kWindow, g * kStepWords); }
   // Steps per group, issued in halves (consume): 4 where 8 stages fit, else 2. A slot holds one
   // step, or with kSlots (launch_regrouped) a group where that fits more stages (the 160-row tile:
   // 6, not 4). Session 57 (BENCHMARKS.md, H100, against a step a slot): 1:4 and 1:8 1.00-1.08x at
@@ -782,15 +792,17 @@ struct RegroupLayout {
   // regrouping binds more, 0.96-1.03x with two regrouping warps, 0.99-1.08x with four where its
   // offset words go by tensor copy; a group a slot where it adds no stages ran 0.98-0.99x at 64
   // rows (its addresses take more instructions).
-  static constexpr int kStepGroup = kBudget / slot_of(1) >= 8 ? 4 : 2;
-  static constexpr int kStepStages = static_cast<int>(kBudget / slot_of(1)) / kStepGroup * kStepGroup;
+  static constexpr size_t step_bytes(int g) { return slot_of(1) + (kApart ? area_of(g) / g : 0); }
+  static constexpr int kStepGroup = kBudget / step_bytes(2) >= 8 ? 4 : 2;
+  static constexpr int kStepStages = static_cast<int>(kBudget / step_bytes(kStepGroup)) / kStepGroup * kStepGroup;
   static constexpr int kSlotGroup = kBudget / slot_of(4) >= 2 ? 4 : 2;
   static constexpr int kSlotStages = static_cast<int>(kBudget / slot_of(kSlotGroup)) * kSlotGroup;
-  static constexpr int kPerSlot = kSlots && kSlotStages > kStepStages ? kSlotGroup : 1;
+  static constexpr int kPerSlot = !kApart && kSlots && kSlotStages > kStepStages ? kSlotGroup : 1;
   static constexpr int kGroup = kPerSlot > 1 ? kSlotGroup : kStepGroup;
   static constexpr int kStages = kPerSlot > 1 ? kSlotStages : kStepStages;
   static constexpr size_t kSlot = slot_of(kPerSlot);
-  static constexpr size_t kBarriers = kStages / kPerSlot * kSlot;
+  static constexpr size_t kArea = kApart ? area_of(kGroup) : 0;  // a group's offset words, kApart
+  static constexpr size_t kBarriers = kStages / kPerSlot * kSlot + kStages / kGroup * kArea;
   static constexpr size_t kBytes = kBarriers + 3 * kStages * 8 + 1024;  // + slack to align the ring
   static constexpr size_t kTableBytes = Regroup<kN, kM>::kTableEntries * Regroup<kN, kM>::kEntryBytes;  // static
   static constexpr uint32_t kTensorBytes = static_cast<uint32_t>(kX + F::kValues);  // what the tensor copies bring
@@ -812,12 +824,15 @@ struct RegroupLayout {
   __host__ __device__ static constexpr uint32_t meta_at(int s) {
     return slot_at(s) + static_cast<uint32_t>(kPerSlot * (kX + kA + F::kValues) + s % kPerSlot * kMeta);
   }
-  // Step s's offset words: its group's window (tensor; in the slot of the group's first step) or
-  // its own (cp.async).
+  // Step s's offset words: its group's window (tensor; in the slot of the group's first step, or
+  // the group's area) or its own (cp.async).
   __host__ __device__ static constexpr uint32_t words_at(int s, bool tensor) {
+    if (kApart)
+      return static_cast<uint32_t>(kStages * kSlot + s / kGroup * kArea + (tensor ? 0 : s % kGroup * kStepWords));
     return slot_at(tensor ? s & ~(kGroup - 1) : s) +
            static_cast<uint32_t>(kPerSlot * kStep + (tensor ? 0 : s % kPerSlot * kStepWords));
   }
+  static_assert(kArea % 128 == 0, "offset words land 128-byte aligned");
   static_assert(OffsetWindow::kWindowWords >= 3 + (kGroup * F::kEntries * F::kBits + 31) / 32 + 1,
                 "a window from the 16-byte boundary holds the group's offset bits");
   static_assert(F::kValues % 128 == 0 && kX % 1024 == 0 && kA % 1024 == 0 && kMeta % 128 == 0,
@@ -864,7 +879,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows, kSlots> 
   const bool consumer = warp < kThreads / 32;
   const bool producer = warp == (kThreads + kRegrouping) / 32;
   const int row = sm90::consumer_row(warp, lane);
-  const bool tensor_offsets = L::kTensorOffsets && offset_rows_aligned(p);  // else the producer's lanes copy them
+  const bool tensor_offsets = offset_rows_aligned(p);  // else the producer's lanes copy them
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
@@ -936,8 +951,7 @@ __global__ void __launch_bounds__(kThreads + kRegroupThreads<kN, kRows, kSlots> 
       }
       return stage;
     };
-    if constexpr (L::kTensorOffsets)
-      if (tensor_offsets) return walk(std::true_type{});
+    if (tensor_offsets) return walk(std::true_type{});
     return walk(std::false_type{});
   };
   // The consumers' MMAs of steps [begin, end) into acc (from zero), step begin in stage `from`.
@@ -1056,9 +1070,8 @@ template <typename T, int kN, int kM, int kRows, int kPerSm, bool kSlots>
 cudaError_t launch_regrouped_as(const PathParams<T>& p, cudaStream_t stream, int splits) {
   using F = sm90::Family<kN, kM>;
   using L = RegroupLayout<kN, kM, kRows, kPerSm, kSlots>;
-  TileMaps maps{};  // its offset words go by tensor copy where the layout has room and they are aligned
-  if (!sm90::packed_maps<F, kRows>(&maps, p) ||
-      (L::kTensorOffsets && !offsets_map(&maps.offsets, p, OffsetWindow::kWindowWords)))
+  TileMaps maps{};  // its offset words go by tensor copy where they are aligned
+  if (!sm90::packed_maps<F, kRows>(&maps, p) || !offsets_map(&maps.offsets, p, OffsetWindow::kWindowWords))
     return cudaErrorInvalidValue;
   constexpr size_t kSmem = L::kBytes;
   constexpr unsigned kBlock = kThreads + kRegroupThreads<kN, kRows, kSlots> + kProducerThreads;
