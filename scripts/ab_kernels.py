@@ -54,10 +54,14 @@ class Point:
         # resident: one set launched as often, so that a weight smaller than L2 stays there (a
         # diagnostic: what the kernel does without HBM's latency and bandwidth)
         distinct = 1 if resident else self.sets
-        self.values = [values.clone() for _ in range(distinct)] * (self.sets // distinct)
-        self.indices = [indices.clone() for _ in range(distinct)] * (self.sets // distinct)
-        self.x = [torch.randn(m, k, device="cuda", dtype=self.dtype) for _ in range(distinct)] * (self.sets // distinct)
-        self.y = [torch.empty(m, n, device="cuda", dtype=self.dtype) for _ in range(distinct)] * (self.sets // distinct)
+
+        def buffers(make):  # self.sets buffers, `distinct` of them different
+            return [make() for _ in range(distinct)] * (self.sets // distinct)
+
+        self.values = buffers(values.clone)
+        self.indices = buffers(indices.clone)
+        self.x = buffers(lambda: torch.randn(m, k, device="cuda", dtype=self.dtype))
+        self.y = buffers(lambda: torch.empty(m, n, device="cuda", dtype=self.dtype))
 
     def time_us(self, module, path: str) -> float:
         """Median microseconds per call of `module`'s kernel, with the workspace that build asks for
