@@ -38,12 +38,14 @@ py::array run_cpu(const py::array& x, const py::array& values, const py::array& 
   const py::array ia = as_contiguous(indices, py::dtype("uint32"));
   if (xa.ndim() < 1 || xa.shape(xa.ndim() - 1) != k) throw std::invalid_argument("x's last dim must be k");
   if (va.ndim() != 2) throw std::invalid_argument("values must be rank 2 [Nout, S]");
-  const NMShape shape = NMShape::make(k, va.shape(0), n, m);
-  if (va.shape(1) != shape.row_len)
+  const NMShape made = NMShape::make(k, va.shape(0), n, m);
+  if (va.shape(1) != made.row_len)
     throw std::invalid_argument("values have row length " + std::to_string(va.shape(1)) + ", expected " +
-                                std::to_string(shape.row_len));
-  if (ia.ndim() != 2 || ia.shape(0) != shape.nout || ia.shape(1) != shape.index_words)
-    throw std::invalid_argument("indices must be uint32 [Nout, " + std::to_string(shape.index_words) + "]");
+                                std::to_string(made.row_len));
+  if (ia.ndim() != 2 || ia.shape(0) != made.nout || !made.accepts_index_words(ia.shape(1)))
+    throw std::invalid_argument("indices must be uint32 [Nout, " + std::to_string(made.index_words) + "] (or, rows padded, [Nout, " +
+                                std::to_string(made.padded_index_words()) + "])");
+  const NMShape shape = made.with_index_words(ia.shape(1));
   py::array ba;  // note: a default py::array is an empty array, not null; test has_bias instead
   const bool has_bias = !bias.is_none();
   if (has_bias) {

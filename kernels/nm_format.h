@@ -1,4 +1,4 @@
-// The packed N:M format (docs/FORMAT.md, version 1), mirrored for C++ and CUDA.
+// The packed N:M format (docs/FORMAT.md, version 2), mirrored for C++ and CUDA.
 // nmcli/format.py owns the layout; this header only reads it.
 #pragma once
 #include <cstdint>
@@ -11,9 +11,10 @@
 
 namespace nmcli {
 
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;
 constexpr int kMaxM = 32;
 constexpr int kRowAlign = 32;  // stored entries per row are padded to a multiple of this
+constexpr int kPaddedIndexRowWords = 4;  // version 2 readers also take rows of `indices` padded to 16 bytes
 
 // B = ceil(log2 M): bits of one stored offset.
 NM_HD constexpr int index_bits(int m) {
@@ -30,7 +31,7 @@ struct NMShape {
   int bits = 0;        // B
   int64_t groups = 0;  // ceil(K / M)
   int64_t row_len = 0; // S: stored entries per row, multiple of kRowAlign
-  int64_t index_words = 0;  // uint32 words per row of `indices` = S * B / 32
+  int64_t index_words = 0;  // uint32 words per row of `indices` (the row pitch): S * B / 32, or padded (below)
 
   static NMShape make(int64_t k, int64_t nout, int n, int m) {
     NMShape s;
@@ -38,10 +39,23 @@ struct NMShape {
     s.groups = (k + m - 1) / m;
     const int64_t stored = s.groups * n;
     s.row_len = (stored + kRowAlign - 1) / kRowAlign * kRowAlign;
-    s.index_words = s.row_len * s.bits / 32;
+    s.index_words = s.bits_per_row() / 32;
     return s;
   }
   NM_HD int64_t stored() const { return groups * n; }
+  NM_HD int64_t bits_per_row() const { return row_len * bits; }  // S * B, a multiple of 32
+  // Rows of `indices` padded to whole 16-byte units (docs/FORMAT.md, "Padded rows of indices").
+  int64_t padded_index_words() const {
+    return (bits_per_row() / 32 + kPaddedIndexRowWords - 1) / kPaddedIndexRowWords * kPaddedIndexRowWords;
+  }
+  // Whether rows of `words` words are this weight's indices: S * B / 32, or padded.
+  bool accepts_index_words(int64_t words) const { return words == bits_per_row() / 32 || words == padded_index_words(); }
+  // The same weight with its indices rows `words` apart (accepts_index_words(words)).
+  NMShape with_index_words(int64_t words) const {
+    NMShape s = *this;
+    s.index_words = words;
+    return s;
+  }
 };
 
 inline bool valid_pattern(int n, int m) { return 1 <= n && n < m && m <= kMaxM; }

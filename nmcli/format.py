@@ -12,10 +12,11 @@ import numpy as np
 
 from .errors import InvalidPatternError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # readers take padded rows of indices too (FORMAT.md)
 OP_DOMAIN, OP_TYPE, OP_VERSION = "nmcli", "NMMatMul", 1  # the op that reads the format (FORMAT.md)
 MAX_M = 32
 ROW_ALIGN = 32  # stored entries per row are padded to a multiple of this (see FORMAT.md)
+PADDED_INDEX_ROW_WORDS = 4  # padded rows of `indices` are whole 16-byte units (FORMAT.md, version 2)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,17 @@ class PackedShape:
 
     @property
     def index_words(self) -> int:
+        """S*B/32: the words that hold a row's offsets (a row of `indices` as `pack` writes it)."""
         return self.row_len * self.pattern.index_bits // 32
+
+    @property
+    def padded_index_words(self) -> int:
+        """A row of `indices` padded to whole 16-byte units (FORMAT.md, version 2)."""
+        return -(-self.index_words // PADDED_INDEX_ROW_WORDS) * PADDED_INDEX_ROW_WORDS
+
+    def accepts_index_words(self, words: int) -> bool:
+        """Whether rows of `words` words are this weight's indices: unpadded or padded."""
+        return words in (self.index_words, self.padded_index_words)
 
     def packed_bytes(self, itemsize: int) -> int:
         return self.nout * (self.row_len * itemsize + self.index_words * 4)
@@ -84,7 +95,8 @@ class PackedShape:
 
 @dataclass
 class PackedWeight:
-    """values [Nout, S] in the weight dtype and indices uint32 [Nout, S*B/32]."""
+    """values [Nout, S] in the weight dtype and indices uint32 [Nout, S*B/32] (or its rows padded
+    to 16-byte units: FORMAT.md, version 2)."""
 
     values: np.ndarray
     indices: np.ndarray
@@ -143,6 +155,14 @@ def pack(weight: np.ndarray, keep_offsets: np.ndarray, pattern: NMPattern) -> Pa
     return PackedWeight(values, indices, shape)
 
 
+def with_padded_rows(packed: PackedWeight) -> PackedWeight:
+    """The same weight with its rows of indices padded to whole 16-byte units (FORMAT.md, version 2)."""
+    shape = packed.shape
+    indices = np.zeros((shape.nout, shape.padded_index_words), dtype=np.uint32)
+    indices[:, : shape.index_words] = packed.indices[:, : shape.index_words]
+    return PackedWeight(packed.values, indices, shape)
+
+
 def unpack(packed: PackedWeight) -> np.ndarray:
     """The dense pruned weight [K, Nout] that the packed tensors stand for."""
     shape = packed.shape
@@ -161,8 +181,10 @@ def from_arrays(values: np.ndarray, indices: np.ndarray, n: int, m: int, k: int)
     shape = PackedShape(k, values.shape[0], pattern)
     if values.shape != (shape.nout, shape.row_len):
         raise ValueError(f"values have shape {values.shape}, expected {(shape.nout, shape.row_len)}")
-    if indices.shape != (shape.nout, shape.index_words) or indices.dtype != np.uint32:
-        raise ValueError(f"indices must be uint32 {(shape.nout, shape.index_words)}, got {indices.dtype} {indices.shape}")
+    if indices.ndim != 2 or indices.shape[0] != shape.nout or not shape.accepts_index_words(indices.shape[1]) \
+            or indices.dtype != np.uint32:
+        raise ValueError(f"indices must be uint32 {(shape.nout, shape.index_words)} (or, rows padded, "
+                         f"{(shape.nout, shape.padded_index_words)}), got {indices.dtype} {indices.shape}")
     return PackedWeight(values, indices, shape)
 
 

@@ -86,9 +86,11 @@ NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& a
   call.shape = NMShape::make(attrs.k, v_dims[0], attrs.n, attrs.m);
   if (v_dims[1] != call.shape.row_len)
     fail("values have shape " + dims_str(v_dims) + ", expected [Nout, " + std::to_string(call.shape.row_len) + "]");
-  if (i_dims.size() != 2 || i_dims[0] != v_dims[0] || i_dims[1] != call.shape.index_words)
-    fail("indices have shape " + dims_str(i_dims) + ", expected " +
-         dims_str({v_dims[0], call.shape.index_words}));
+  // Rows of S*B/32 index words, or padded to 16-byte units (docs/FORMAT.md).
+  if (i_dims.size() != 2 || i_dims[0] != v_dims[0] || !call.shape.accepts_index_words(i_dims[1]))
+    fail("indices have shape " + dims_str(i_dims) + ", expected " + dims_str({v_dims[0], call.shape.index_words}) +
+         " (or, rows padded, " + dims_str({v_dims[0], call.shape.padded_index_words()}) + ")");
+  call.shape = call.shape.with_index_words(i_dims[1]);
   // An absent optional input is either missing from the node or present as a null value.
   auto present = [&](size_t i) { return ctx.GetInputCount() > i && static_cast<const OrtValue*>(ctx.GetInput(i)) != nullptr; };
   call.has_bias = present(3);
@@ -117,8 +119,10 @@ NMMatMulCall NMMatMulCall::check(Ort::KernelContext& ctx, const NMMatMulAttrs& a
     const auto ci_dims = ctx.GetInput(8).GetTensorTypeAndShapeInfo().GetShape();
     if (cv_dims != std::vector<int64_t>{v_dims[0], copy.row_len})
       fail("copy_values have shape " + dims_str(cv_dims) + ", expected " + dims_str({v_dims[0], copy.row_len}));
-    if (ci_dims != std::vector<int64_t>{v_dims[0], copy.index_words})
-      fail("copy_indices have shape " + dims_str(ci_dims) + ", expected " + dims_str({v_dims[0], copy.index_words}));
+    if (ci_dims.size() != 2 || ci_dims[0] != v_dims[0] || !copy.accepts_index_words(ci_dims[1]))
+      fail("copy_indices have shape " + dims_str(ci_dims) + ", expected " + dims_str({v_dims[0], copy.index_words}) +
+           " (or, rows padded, " + dims_str({v_dims[0], copy.padded_index_words()}) + ")");
+    call.copy_index_words = ci_dims[1];
   }
   if (call.has_residual) {
     std::vector<int64_t> y_dims = x_dims;

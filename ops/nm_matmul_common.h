@@ -3,7 +3,7 @@
 //
 //   Y = NMMatMul(X, values, indices[, bias][, residual][, x_up][, norm_weight][, copy_values, copy_indices];
 //                n, m, k, alpha[, glu][, norm, norm_epsilon])
-//   X [..., K] T, values [Nout, S] T, indices [Nout, S*B/32] uint32, bias [Nout] T -> Y [..., Nout] T
+//   X [..., K] T, values [Nout, S] T, indices [Nout, W] uint32 (W: docs/FORMAT.md), bias [Nout] T -> Y [..., Nout] T
 //   Y = alpha * (A @ W) + bias + residual, A = X, or silu(X) * x_up (glu = "silu"), or
 //   X / sqrt(mean(X^2) + norm_epsilon) * norm_weight (norm = "rms")
 //   (residual: Y's shape; x_up: X's shape; norm_weight: [K]; docs/FORMAT.md "Fused neighbours").
@@ -48,6 +48,7 @@ struct NMMatMulCall {
   std::vector<int64_t> leading;     // X's leading dims
   std::vector<int64_t> widths;      // columns of each output ({Nout}, or the splits)
   bool has_bias = false, has_residual = false, has_x_up = false, has_norm_weight = false, has_copy = false;
+  int64_t copy_index_words = 0;  // the 2:4 copy's words per row of indices (S4/16, or padded: docs/FORMAT.md)
   static NMMatMulCall check(Ort::KernelContext& ctx, const NMMatMulAttrs& attrs);
   // Allocates the outputs through ORT: output i is [leading..., widths[i]].
   OutputParts<void> outputs(Ort::KernelContext& ctx) const;

@@ -55,6 +55,7 @@ struct CudaKernel {
       m.norm_epsilon = attrs_.norm_epsilon;
       m.copy_values = call.has_copy ? ctx.GetInput(7).GetTensorRawData() : nullptr;
       m.copy_indices = call.has_copy ? ctx.GetInput(8).GetTensorData<uint32_t>() : nullptr;
+      m.copy_index_words = call.copy_index_words;
       m.y = call.outputs(ctx);
       m.rows = call.rows;
       m.alpha = attrs_.alpha;

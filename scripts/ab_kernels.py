@@ -18,7 +18,9 @@ working tree travels but its git repository stays as it was when the session sta
     python scripts/ab_kernels.py --path decode --rows 1 --rows 4 old=$(ls /tmp/old/nmcli/_kernels*.so)
 
 With several `--path`, every build runs every path on each point (`-` where a path does not take
-the call), so forced paths are compared in the same process as the builds' dispatch.
+the call), so forced paths are compared in the same process as the builds' dispatch. Likewise
+`--index-rows unpadded --index-rows padded` times each build on the weight's rows of indices as
+packed and padded to 16-byte units (docs/FORMAT.md version 2), where the padding changes them.
 """
 import argparse
 import importlib.util
@@ -28,7 +30,7 @@ import torch
 
 from nmcli import _kernels as installed
 from nmcli import bench_kernels
-from nmcli.format import NMPattern
+from nmcli.format import NMPattern, PackedShape
 
 # (K, Nout): LLaMA-7B/8B projections, with the fused Q/K/V (12288) and gate/up (28672) widths.
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 12288), (4096, 28672)]
@@ -60,12 +62,23 @@ class Point:
 
         self.values = buffers(values.clone)
         self.indices = buffers(indices.clone)
+        # the same rows of indices padded to 16-byte units (docs/FORMAT.md version 2), where that changes them
+        shape = PackedShape(k, n, pattern)
+        padded = torch.zeros(n, shape.padded_index_words, dtype=indices.dtype, device=indices.device)
+        padded[:, : shape.index_words] = indices
+        self.padded_indices = buffers(padded.clone) if shape.padded_index_words > shape.index_words else None
         self.x = buffers(lambda: torch.randn(m, k, device="cuda", dtype=self.dtype))
         self.y = buffers(lambda: torch.empty(m, n, device="cuda", dtype=self.dtype))
 
-    def time_us(self, module, path: str) -> float:
+    def time_us(self, module, path: str, index_rows: str = "unpadded") -> float:
         """Median microseconds per call of `module`'s kernel, with the workspace that build asks for
-        (builds stage a 2:4 copy in it on different calls)."""
+        (builds stage a 2:4 copy in it on different calls), on rows of indices as packed or padded
+        (ValueError where they are not padded here or the build reads no padded rows)."""
+        indices, pitch = self.indices, {}
+        if index_rows == "padded":
+            if self.padded_indices is None or "index_words" not in (module.nm_matmul_cuda.__doc__ or ""):
+                raise ValueError("no padded rows of indices for this point or build")
+            indices, pitch = self.padded_indices, {"index_words": self.padded_indices[0].shape[1]}
         dtype = str(self.dtype).removeprefix("torch.")
         workspace = bench_kernels.workspace_for(torch, self.m, self.k, self.n, self.pattern, dtype, path,
                                                 kernels=module)
@@ -74,9 +87,9 @@ class Point:
         def launch():
             stream = torch.cuda.current_stream().cuda_stream
             for i in range(self.sets):
-                module.nm_matmul_cuda(self.x[i].data_ptr(), self.values[i].data_ptr(), self.indices[i].data_ptr(), 0,
+                module.nm_matmul_cuda(self.x[i].data_ptr(), self.values[i].data_ptr(), indices[i].data_ptr(), 0,
                                       self.y[i].data_ptr(), self.m, self.pattern.n, self.pattern.m, self.k, self.n,
-                                      dtype, 1.0, stream, path, workspace=workspace_ptr)
+                                      dtype, 1.0, stream, path, workspace=workspace_ptr, **pitch)
 
         return bench_kernels._time_graph(torch, launch, 15) / self.sets * 1e3
 
@@ -92,6 +105,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--shape", action="append", metavar="KxN",
                         help="weight shape K x Nout (repeatable; default the LLaMA projections)")
+    parser.add_argument("--index-rows", action="append", choices=["unpadded", "padded"],
+                        help="rows of indices as packed, or padded to 16-byte units (docs/FORMAT.md version 2; "
+                             "repeatable, each build on each; default unpadded)")
     parser.add_argument("--resident", action="store_true",
                         help="launch one buffer set over and over (weights smaller than L2 stay there): a "
                              "diagnostic, not a measurement of a call")
@@ -113,22 +129,23 @@ def main() -> None:
             indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
             for m in args.rows or [1]:
                 point = Point(m, k, n, pattern, values, indices, l2_bytes, args.resident)
-                runs = {(name, path): [] for name in builds for path in paths}
+                layouts = args.index_rows or ["unpadded"]
+                runs = {(name, path, layout): [] for name in builds for path in paths for layout in layouts}
                 plans = {}  # the tile plan each build ran, where it reports one (from session 51)
                 for _ in range(ROUNDS):
-                    for (name, path), times in runs.items():
+                    for (name, path, layout), times in runs.items():
                         try:
-                            times.append(point.time_us(builds[name], path))
-                        except ValueError:  # the path does not take this call
+                            times.append(point.time_us(builds[name], path, layout))
+                        except ValueError:  # the path does not take this call (or no padded rows)
                             continue
                         if hasattr(builds[name], "last_tile_plan"):
-                            plans[(name, path)] = bench_kernels.tile_text(builds[name].last_tile_plan())
+                            plans[(name, path, layout)] = bench_kernels.tile_text(builds[name].last_tile_plan())
                 moved = point.moved
                 del point
                 cells = []
-                for (name, path), times in runs.items():
-                    label = (name if len(paths) == 1 else f"{name}/{path}") + \
-                        (f" ({plans[(name, path)]})" if plans.get((name, path)) else "")
+                for (name, path, layout), times in runs.items():
+                    label = "/".join([name] + ([path] if len(paths) > 1 else []) + ([layout] if len(layouts) > 1 else [])) + \
+                        (f" ({plans[(name, path, layout)]})" if plans.get((name, path, layout)) else "")
                     if not times:
                         cells.append(f"{label} -")
                         continue

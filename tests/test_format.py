@@ -3,7 +3,7 @@ import pytest
 from conftest import FAMILIES
 
 from nmcli.errors import InvalidPatternError
-from nmcli.format import NMPattern, PackedShape, from_arrays, index_bits, pack, unpack
+from nmcli.format import NMPattern, PackedShape, from_arrays, index_bits, pack, unpack, with_padded_rows
 from nmcli.masks import choose_offsets, prune_mask
 
 
@@ -87,3 +87,22 @@ def test_from_arrays_checks_shapes(rng):
         from_arrays(packed.values[:, :-1], packed.indices, 2, 8, 64)
     with pytest.raises(ValueError):
         from_arrays(packed.values, packed.indices.astype(np.int32), 2, 8, 64)
+
+
+@pytest.mark.parametrize("n,m,k", [(2, 8, 11008), (1, 8, 11008), (1, 8, 13824), (2, 4, 4104), (3, 7, 100)])
+def test_padded_rows_of_indices_read_back_the_same(rng, n, m, k):
+    """FORMAT.md version 2: rows of indices padded to whole 16-byte units (zeros past S*B/32) stand
+    for the same weight; no other width is taken."""
+    pattern = NMPattern(n, m)
+    w = rng.standard_normal((k, 3)).astype(np.float16)
+    packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
+    shape = packed.shape
+    padded = with_padded_rows(packed)
+    assert packed.indices.shape[1] == shape.index_words and shape.index_words % 4 != 0
+    assert padded.indices.shape == (3, shape.padded_index_words) and shape.padded_index_words % 4 == 0
+    assert np.array_equal(padded.indices[:, : shape.index_words], packed.indices)
+    assert not padded.indices[:, shape.index_words:].any()
+    assert np.array_equal(unpack(from_arrays(padded.values, padded.indices, n, m, k)), unpack(packed))
+    for words in {shape.index_words - 1, shape.index_words + 1, shape.padded_index_words + 4}:
+        with pytest.raises(ValueError, match="rows padded"):
+            from_arrays(packed.values, np.zeros((3, words), np.uint32), n, m, k)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import FAMILIES
 
-from nmcli.format import NMPattern, PackedShape, PackedWeight, pack, shares_offsets, two_of_four_copy, unpack
+from nmcli.format import (NMPattern, PackedShape, PackedWeight, pack, shares_offsets, two_of_four_copy, unpack,
+                          with_padded_rows)
 from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio, gated_activation, relative_error, rms_normalised
 
@@ -50,7 +51,8 @@ def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None, vector=0, co
     copy_ptrs = {}
     if copy is not None:
         copy_tensors = (to_device(copy.values, dtype_name), torch.from_numpy(copy.indices.view(np.int32)).cuda())
-        copy_ptrs = dict(copy_values=copy_tensors[0].data_ptr(), copy_indices=copy_tensors[1].data_ptr())
+        copy_ptrs = dict(copy_values=copy_tensors[0].data_ptr(), copy_indices=copy_tensors[1].data_ptr(),
+                         copy_index_words=copy.indices.shape[1])
     bd = to_device(bias, dtype_name) if bias is not None else None
     rows = int(np.prod(x.shape[:-1]))
     ys = [torch.full((rows, width), float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name])
@@ -60,7 +62,8 @@ def run_cuda(x, packed, bias, alpha, dtype_name, path, widths=None, vector=0, co
     kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), bd.data_ptr() if bd is not None else 0,
                            y_arg, rows, packed.shape.pattern.n, packed.shape.pattern.m, k, nout, dtype_name,
                            alpha, torch.cuda.current_stream().cuda_stream, path, widths or [], vector=vector,
-                           workspace=workspace.data_ptr() if workspace is not None else 0, **copy_ptrs)
+                           workspace=workspace.data_ptr() if workspace is not None else 0,
+                           index_words=packed.indices.shape[1], **copy_ptrs)
     torch.cuda.synchronize()
     return [y.float().cpu().numpy().astype(np.float64) for y in ys]
 
@@ -170,30 +173,42 @@ def test_decode_mma_matches_reference(rng, n, m, dtype_name, rows, k, nout):
     assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
 
 
-def assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, path):
+def assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, path, index_rows="unpadded"):
     """A fresh case run on `path` against the float64 reference, outputs poisoned; skipped where the
-    path cannot take it (no sm_90a device). Returns the packed weight."""
+    path cannot take it (no sm_90a device). `index_rows`: "padded" for rows of indices padded to
+    16-byte units (docs/FORMAT.md version 2). Returns the packed weight."""
     if not kernels.cuda_path_supported(path, rows, n, m, dtype_name, k):
         pytest.skip("no sm_90a device")
     x, packed, bias = random_case(rng, NMPattern(n, m), rows, k, nout, dtype_name)
+    packed = with_padded_rows(packed) if index_rows == "padded" else packed
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
     [y] = run_cuda(x, packed, bias, 0.75, dtype_name, path)
     assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
     return packed
 
 
+def skip_unless_padding_differs(index_rows, k, nout, n, m):
+    """Skips a padded case whose rows of indices are whole 16-byte units anyway."""
+    shape = PackedShape(k, nout, NMPattern(n, m))
+    if index_rows == "padded" and shape.padded_index_words == shape.index_words:
+        pytest.skip("these rows of indices are whole 16-byte units already")
+
+
 @pytest.mark.parametrize("n,m", [(1, 4), (1, 8), (2, 8)])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout", [(17, 4104, 4100), (64, 2048, 12300), (33, 11008, 11008), (5, 1032, 22000)])
-def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nout):
+@pytest.mark.parametrize("index_rows", ["unpadded", "padded"])
+def test_regrouping_kernel_two_blocks_per_sm(rng, n, m, dtype_name, rows, k, nout, index_rows):
     """The sparse tensor cores' regrouping kernel with two blocks of 64-row tiles per SM
     (wgmma_sp.cu, two_per_sm_split), which takes calls of up to 64 rows whose grid reaches 5/4 of
     the SMs: on 132 SMs 33 weight tiles split 5 ways (the last tile 4 columns, K a step past a
     whole number of 64-position steps), 97 tiles split 2 ways, 86 split 2 ways with a row count
     off the 8-row MMA grain, and 172 tiles unsplit at 5 rows (K past 16 steps). K = 2048 brings the
     offset words by tensor copy (rows of whole 16-byte units), the other K by cp.async (but 1:4's
-    at K = 11008), both into the area apart from the steps. Outputs poisoned."""
-    assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp")
+    at K = 11008) unless their rows of indices are padded to 16-byte units (docs/FORMAT.md version
+    2); both into the area apart from the steps. Outputs poisoned."""
+    skip_unless_padding_differs(index_rows, k, nout, n, m)
+    assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, "wgmma_sp", index_rows)
 
 
 @pytest.mark.parametrize("n,m", [(1, 4), (1, 8), (2, 8)])
@@ -266,20 +281,24 @@ WIDE_TILE_CALLS = [
                                       (4, 16, "wgmma"), (4, 8, "wgmma"), (2, 16, "wgmma")])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout,plan", WIDE_TILE_CALLS)
-def test_warpgroup_kernels_on_160_and_192_row_tiles(rng, n, m, path, dtype_name, rows, k, nout, plan):
+@pytest.mark.parametrize("index_rows", ["unpadded", "padded"])
+def test_warpgroup_kernels_on_160_and_192_row_tiles(rng, n, m, path, dtype_name, rows, k, nout, plan, index_rows):
     """The warpgroup kernels on 160- and 192-row activation tiles (m64n160 and m64n192 MMAs), unsplit,
     with K split over a cluster and with the last wave split, against the float64 reference with
     poisoned outputs. On 132 SMs the launch must also have taken the plan named (last_tile_plan),
-    so a change to launch_split's model cannot quietly move these calls to other widths."""
-    assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, path)
+    so a change to launch_split's model cannot quietly move these calls to other widths. Rows of
+    indices that are not whole 16-byte units go by the kernels' cp.async copies, the same rows padded
+    (docs/FORMAT.md version 2) by tensor copy."""
+    skip_unless_padding_differs(index_rows, k, nout, n, m)
+    assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, path, index_rows)
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert kernels.last_tile_plan()[:3] == plan
 
 
 # Regrouping-kernel calls on the 160-row tile whose offset words go by tensor copy (a row's offset
 # words a multiple of 4 for 2:8, 1:4 and 1:8 at K = 4096; the calls above have K = 4104, 11008 or
-# 1000, whose 2:8 words go by cp.async): the ring in slots of a group, and for 2:8 a warpgroup of
-# regrouping threads (wgmma_sp.cu, launch_regrouped). (rows, K, Nout, plan as above.)
+# 1000, whose 2:8 words go by cp.async unless padded): the ring in slots of a group, and for 2:8 a
+# warpgroup of regrouping threads (wgmma_sp.cu, launch_regrouped). (rows, K, Nout, plan as above.)
 ALIGNED_160_CALLS = [
     (300, 4096, 4096, (160, 2, False)),  # K split over clusters of 2, the last row tile overlapping
     (150, 4096, 14336, (160, 1, False)),  # one partial row tile, 112 weight tiles
@@ -304,7 +323,7 @@ def test_regrouping_kernel_on_160_rows_with_offsets_by_tensor_copy(rng, n, m, dt
 # above, whether the launch was persistent.)
 PERSISTENT_CALLS = [
     (4096, 4096, 4096, (256, 1, False), True),  # 512 tiles, about 4 a block
-    (3000, 2056, 4000, (256, 1, False), True),  # offset words by cp.async; 34 steps (a half box a tile);
+    (3000, 2056, 4000, (256, 1, False), True),  # offset words by cp.async (unpadded); 34 steps (a half box a tile);
                                                 # the last weight tile 32 columns, the last row tile overlapping
     (3000, 4224, 4000, (256, 1, False), True),  # offset words by tensor copy, 66 steps (a half box a tile)
     (2500, 4224, 4000, (256, 2, True), True),  # two waves' tiles persistent, then the last 56 split 2 ways
@@ -327,15 +346,38 @@ def test_staged_copies_run_persistent_up_to_80_steps(rng, rows, k, persistent):
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows,k,nout,plan,persistent", PERSISTENT_CALLS)
-def test_persistent_two_of_four_kernel(rng, dtype_name, rows, k, nout, plan, persistent):
+@pytest.mark.parametrize("index_rows", ["unpadded", "padded"])
+def test_persistent_two_of_four_kernel(rng, dtype_name, rows, k, nout, plan, persistent, index_rows):
     """The persistent 2:4 kernel against the float64 reference with poisoned outputs, alpha and bias:
     blocks of several tiles whose boxes of offset words go round the slots across tiles (a tile's
     last box half full), output tiles clipped at Nout, the last row tile overlapping the one before,
     tiles in raster groups and in the plain order of a grid over part of them. On 132 SMs the launch
-    must have taken the plan named, persistent or not."""
-    assert_forced_path_matches_reference(rng, 2, 4, dtype_name, rows, k, nout, "wgmma_sp")
+    must have taken the plan named, persistent or not. Rows of indices also padded to 16-byte units
+    where that changes them (K = 2056)."""
+    skip_unless_padding_differs(index_rows, k, nout, 2, 4)
+    assert_forced_path_matches_reference(rng, 2, 4, dtype_name, rows, k, nout, "wgmma_sp", index_rows)
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert kernels.last_tile_plan() == (*plan, False, persistent)
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (3, 7)])
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+@pytest.mark.parametrize("rows,k,nout", [(1, 4104, 4300), (2, 4104, 300), (9, 11008, 300), (16, 2056, 130),
+                                         (17, 4104, 4100), (64, 11008, 1000), (150, 4104, 1030), (700, 2056, 520)])
+def test_padded_rows_of_indices_on_every_path(rng, n, m, dtype_name, rows, k, nout):
+    """Rows of indices padded to whole 16-byte units (docs/FORMAT.md version 2) where the unpadded ones
+    are not: every path that takes the call reads them (the warpgroup kernels copy their offset
+    words by tensor copy, not by cp.async) and matches the float64 reference within the dtype's
+    bound; outputs poisoned."""
+    pattern = NMPattern(n, m)
+    x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
+    padded = with_padded_rows(packed)
+    if padded.indices.shape == packed.indices.shape:
+        pytest.skip("these rows of indices are whole 16-byte units already")
+    ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    for path in paths_for(rows, pattern, dtype_name, k):
+        [y] = run_cuda(x, padded, bias, 0.75, dtype_name, path)
+        assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
 
 
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]
@@ -372,10 +414,13 @@ def test_cuda_reads_the_two_of_four_copy_on_the_sparse_tensor_cores(rng, n, m, d
     """Calls that carry a 2:4 copy of their weight: the sparse tensor-core path reads the copy,
     every other path the weight. Each call gets the tensor it must not read poisoned with NaN and
     must still match the float64 reference; the dispatch sends the call to the sparse tensor cores
-    exactly where it sends a 2:4 weight of the same shape."""
+    exactly where it sends a 2:4 weight of the same shape. Weight and copy with their rows of
+    indices padded to 16-byte units (docs/FORMAT.md version 2) where K is 4104."""
     pattern = NMPattern(n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
     copy = two_of_four_copy(packed)
+    if k == 4104:
+        packed, copy = with_padded_rows(packed), with_padded_rows(copy)
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
     auto = kernels.cuda_path(rows, n, m, k, nout, dtype_name, 0, True)
     assert (auto == "wgmma_sp") == (kernels.cuda_path(rows, 2, 4, k, nout, dtype_name) == "wgmma_sp")
@@ -394,20 +439,24 @@ TWO_OF_FOUR_FITS = [(1, 2), (1, 3), (1, 4), (1, 5), (1, 8), (2, 8), (2, 12), (1,
 @pytest.mark.parametrize("n,m", TWO_OF_FOUR_FITS)
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("k,nout", [(1, 3), (7, 5), (64, 67), (100, 33), (4099, 40), (4104, 130)])
-def test_device_two_of_four_copy_matches_the_host_one(rng, n, m, dtype_name, k, nout):
+@pytest.mark.parametrize("index_rows", ["unpadded", "padded"])
+def test_device_two_of_four_copy_matches_the_host_one(rng, n, m, dtype_name, k, nout, index_rows):
     """The 2:4 copy written on the GPU (what the sparse tensor cores stage) is bit for bit the one
     nmcli.format.two_of_four_copy writes: every pattern that fits 2:4, K off the group, off the
-    block of 4 and off the 32-position word, partial last groups, the copy's row padding; the
+    block of 4 and off the 32-position word, partial last groups, the copy's row padding; from the
+    weight's rows of indices as written and padded to 16-byte units (docs/FORMAT.md version 2); the
     output buffers start poisoned."""
     pattern = NMPattern(n, m)
     _, packed, _ = random_case(rng, pattern, 1, k, nout, dtype_name)
     want = two_of_four_copy(packed)
-    values = to_device(packed.values, dtype_name)
-    indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
+    source = with_padded_rows(packed) if index_rows == "padded" else packed
+    values = to_device(source.values, dtype_name)
+    indices = torch.from_numpy(source.indices.view(np.int32)).cuda()
     copy_values = torch.full(want.values.shape, float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name])
     copy_indices = torch.full(want.indices.shape, -1, device="cuda", dtype=torch.int32)
     kernels.cuda_two_of_four_copy(values.data_ptr(), indices.data_ptr(), n, m, k, nout, copy_values.data_ptr(),
-                                  copy_indices.data_ptr(), torch.cuda.current_stream().cuda_stream)
+                                  copy_indices.data_ptr(), torch.cuda.current_stream().cuda_stream,
+                                  index_words=source.indices.shape[1])
     torch.cuda.synchronize()
     want_bits = to_device(want.values, dtype_name).view(torch.int16).cpu().numpy()
     np.testing.assert_array_equal(copy_values.view(torch.int16).cpu().numpy(), want_bits)
@@ -702,6 +751,38 @@ def test_ort_cuda_op_passes_the_copy_to_the_sparse_tensor_cores(rng):
             assert relative_error(got, expected.astype(np.float64)) < 2e-3
         else:
             assert np.isnan(got).all()
+
+
+@needs_ort_cuda
+def test_ort_cuda_op_reads_padded_rows_of_indices(rng):
+    """A model whose rows of indices, in the weight and in its 2:4 copy, are padded to 16-byte units
+    (docs/FORMAT.md version 2; K = 4104 leaves both short of whole units unpadded): on the CUDA EP,
+    calls of 4 rows (the decode path, reading the weight) and 300 rows (the sparse tensor cores,
+    reading the copy) match the CPU EP on the unpadded model."""
+    import nmcli
+    from models import matmul_model
+    from onnx import numpy_helper
+    w = rng.standard_normal((4104, 1024)).astype(np.float16)
+    pruned, _ = nmcli.prune_model(matmul_model(w, ["rows", 4104]), nmcli.Selection(nmcli.NMPattern(2, 8)),
+                                  prefill_copy=True)
+    node = next(n for n in pruned.graph.node if n.op_type == "NMMatMul")
+    padded_model = type(pruned)()
+    padded_model.CopyFrom(pruned)
+    for name, pattern in ((node.input[2], NMPattern(2, 8)), (node.input[8], NMPattern(2, 4))):
+        shape = PackedShape(4104, 1024, pattern)
+        assert shape.padded_index_words > shape.index_words
+        for i, t in enumerate(padded_model.graph.initializer):
+            if t.name == name:
+                padded = np.zeros((1024, shape.padded_index_words), np.uint32)
+                padded[:, : shape.index_words] = numpy_helper.to_array(t)
+                padded_model.graph.initializer[i].CopyFrom(numpy_helper.from_array(padded, name))
+    cuda = nmcli.session(padded_model, providers=["CUDAExecutionProvider"])
+    assert cuda.get_providers()[0] == "CUDAExecutionProvider"
+    for rows in (4, 300):
+        x = rng.standard_normal((rows, 4104)).astype(np.float16)
+        (expected,) = nmcli.session(pruned).run(None, {"x": x})
+        (got,) = cuda.run(None, {"x": x})
+        assert relative_error(got, expected.astype(np.float64)) < 2e-3, rows
 
 
 def _pruned_block(rng, dtype, permute=False, fuse=True, vector=0):

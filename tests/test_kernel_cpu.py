@@ -9,7 +9,7 @@ import pytest
 from conftest import FAMILIES
 
 from nmcli import _kernels
-from nmcli.format import NMPattern, pack, unpack
+from nmcli.format import NMPattern, pack, unpack, with_padded_rows
 from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio, gated_activation, rms_normalised
 
@@ -98,7 +98,7 @@ def test_baseline_vectors_match_reference(tmp_path):
     script = """
 import numpy as np
 from nmcli import _kernels
-from nmcli.format import NMPattern, pack, unpack
+from nmcli.format import NMPattern, pack, unpack, with_padded_rows
 from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio
 rng = np.random.default_rng(7)
@@ -118,6 +118,35 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("n,m,k", [(2, 8, 11008), (1, 8, 200), (2, 4, 4104), (3, 7, 100), (1, 4, 40)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_padded_rows_of_indices_give_the_same_products(rng, n, m, k, rows):
+    """Rows of indices padded to 16-byte units (docs/FORMAT.md version 2) give exactly the products
+    of the unpadded rows; both within fp16's bound of the float64 reference."""
+    packed = packed_random(rng, k, 9, NMPattern(n, m), np.float16)
+    padded = with_padded_rows(packed)
+    assert padded.indices.shape[1] > packed.indices.shape[1]
+    x = rng.standard_normal((rows, k)).astype(np.float16)
+    y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=n, m=m, k=k)
+    assert np.array_equal(_kernels.nm_matmul_cpu(x, padded.values, padded.indices, n=n, m=m, k=k), y)
+    ref, magnitude = dense_reference(x, unpack(packed), None, 1.0)
+    assert error_ratio(y, ref, magnitude, np.float16, k) < 1
+
+
+def test_cuda_binding_checks_rows_of_indices():
+    """The CUDA binding takes rows of indices of S*B/32 words or padded to 16-byte units, for the
+    weight and for its 2:4 copy, and refuses any other width before it touches a device."""
+    if not getattr(_kernels, "HAS_CUDA", False):
+        pytest.skip("built without CUDA")
+    call = dict(x=0, values=0, indices=0, bias=0, y=0, rows=1, n=2, m=8, k=104, nout=24, dtype="float16")
+    with pytest.raises(ValueError, match="index_words must be 3 or, rows padded, 4"):
+        _kernels.nm_matmul_cuda(**call, index_words=5)
+    with pytest.raises(ValueError, match=r"copy_index_words must be 4 \(docs"):  # S4 / 16 = 4: already whole units
+        _kernels.nm_matmul_cuda(**call, copy_index_words=3)
+    with pytest.raises(ValueError, match="index_words must be 3 or, rows padded, 4"):
+        _kernels.cuda_two_of_four_copy(0, 0, 2, 8, 104, 24, 0, 0, 0, index_words=2)
 
 
 def test_threads_agree(rng):

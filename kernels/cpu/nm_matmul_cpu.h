@@ -14,7 +14,7 @@ template <typename T>
 struct NMMatMulArgs {
   const T* x = nullptr;           // [rows, K]
   const T* values = nullptr;      // [Nout, S]
-  const uint32_t* indices = nullptr;  // [Nout, S*B/32]
+  const uint32_t* indices = nullptr;  // [Nout, shape.index_words] (docs/FORMAT.md)
   const T* bias = nullptr;        // [Nout] or null
   const T* residual = nullptr;    // [rows, Nout] added to the output, or null (single output only)
   const T* x_up = nullptr;        // [rows, K], read when glu != none

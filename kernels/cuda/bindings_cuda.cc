@@ -47,6 +47,19 @@ OutputParts<void> parse_outputs(const py::object& y, const std::vector<int64_t>&
   return OutputParts<void>::split(bases.data(), splits.data(), static_cast<int>(splits.size()));
 }
 
+// `shape` with rows of indices `words` apart: 0 keeps S*B/32, else it must be a pitch docs/FORMAT.md
+// allows (S*B/32, or padded to 16-byte units).
+NMShape with_row_pitch(const NMShape& shape, int64_t words, const char* name) {
+  if (words == 0) return shape;
+  if (!shape.accepts_index_words(words)) {
+    const int64_t padded = shape.padded_index_words();
+    throw std::invalid_argument(std::string(name) + " must be " + std::to_string(shape.index_words) +
+                                (padded == shape.index_words ? "" : " or, rows padded, " + std::to_string(padded)) +
+                                " (docs/FORMAT.md)");
+  }
+  return shape.with_index_words(words);
+}
+
 // Stands for a call's 2:4 copy where only whether there is one matters (choosing a path).
 alignas(16) const uint32_t kAnyCopy[4] = {};
 
@@ -76,7 +89,7 @@ void register_cuda_bindings(py::module_& mod) {
          int64_t k, int64_t nout, const std::string& dtype, float alpha, uintptr_t stream, const std::string& path,
          const std::vector<int64_t>& splits, uintptr_t residual, uintptr_t x_up, const std::string& glu,
          uintptr_t workspace, uintptr_t norm_weight, float norm_epsilon, int64_t vector, uintptr_t copy_values,
-         uintptr_t copy_indices) {
+         uintptr_t copy_indices, int64_t index_words, int64_t copy_index_words) {
         if (!valid_pattern(n, m)) throw std::invalid_argument("invalid n:m");
         if ((copy_values == 0) != (copy_indices == 0)) throw std::invalid_argument("copy_values and copy_indices go together");
         if (copy_values && !fits_two_of_four(n, m)) throw std::invalid_argument("this n:m takes no 2:4 copy");
@@ -100,7 +113,11 @@ void register_cuda_bindings(py::module_& mod) {
         if ((call.glu != Glu::none) != (x_up != 0)) throw std::invalid_argument("x_up goes with glu='silu' and only with it");
         call.rows = rows;
         call.alpha = alpha;
-        call.shape = NMShape::make(k, nout, n, m);
+        call.shape = with_row_pitch(NMShape::make(k, nout, n, m), index_words, "index_words");
+        if (copy_index_words != 0) {
+          with_row_pitch(NMShape::make(k, nout, 2, 4), copy_index_words, "copy_index_words");  // checks it
+          call.copy_index_words = copy_index_words;
+        }
         if (vector < 0) throw std::invalid_argument("vector must be >= 0");
         call.vector = vector;
         const CudaPath chosen = parse_path(path);
@@ -115,11 +132,13 @@ void register_cuda_bindings(py::module_& mod) {
       py::arg("path") = "auto", py::arg("splits") = std::vector<int64_t>{}, py::arg("residual") = 0,
       py::arg("x_up") = 0, py::arg("glu") = "none", py::arg("workspace") = 0, py::arg("norm_weight") = 0,
       py::arg("norm_epsilon") = 0.0f, py::arg("vector") = 0, py::arg("copy_values") = 0, py::arg("copy_indices") = 0,
+      py::arg("index_words") = 0, py::arg("copy_index_words") = 0,
       "Launch on device pointers (bias, residual may be 0; y one pointer, or a list with `splits`, the columns "
       "each holds; glu='silu' multiplies silu(x) * x_up, norm_weight normalises x by its RMS; both need "
       "`workspace` on some paths; vector: columns promised to share offsets in blocks of this many; copy_values, "
-      "copy_indices: the weight packed as 2:4, read by the sparse tensor-core path). Asynchronous on `stream`; no "
-      "allocation.");
+      "copy_indices: the weight packed as 2:4, read by the sparse tensor-core path; index_words, copy_index_words: "
+      "words per row of indices and copy_indices, 0 for S*B/32, or padded to 16-byte units: docs/FORMAT.md). "
+      "Asynchronous on `stream`; no allocation.");
   mod.def(
       "cuda_workspace_bytes",
       [](int64_t rows, int n, int m, int64_t k, int64_t nout, const std::string& dtype, const std::string& glu,
@@ -141,18 +160,20 @@ void register_cuda_bindings(py::module_& mod) {
   mod.def(
       "cuda_two_of_four_copy",
       [](uintptr_t values, uintptr_t indices, int n, int m, int64_t k, int64_t nout, uintptr_t copy_values,
-         uintptr_t copy_indices, uintptr_t stream) {
+         uintptr_t copy_indices, uintptr_t stream, int64_t index_words) {
         if (!valid_pattern(n, m) || !fits_two_of_four(n, m)) throw std::invalid_argument("this n:m takes no 2:4 copy");
         const TwoOfFourCopy copy{reinterpret_cast<void*>(copy_values), reinterpret_cast<uint32_t*>(copy_indices)};
+        const NMShape shape = with_row_pitch(NMShape::make(k, nout, n, m), index_words, "index_words");
         if (const int err = two_of_four_copy_cuda(reinterpret_cast<const void*>(values),
-                                                  reinterpret_cast<const uint32_t*>(indices), NMShape::make(k, nout, n, m),
-                                                  copy, reinterpret_cast<void*>(stream)))
+                                                  reinterpret_cast<const uint32_t*>(indices), shape, copy,
+                                                  reinterpret_cast<void*>(stream)))
           throw std::runtime_error("cuda_two_of_four_copy failed with CUDA error " + std::to_string(err));
       },
       py::arg("values"), py::arg("indices"), py::arg("n"), py::arg("m"), py::arg("k"), py::arg("nout"),
-      py::arg("copy_values"), py::arg("copy_indices"), py::arg("stream") = 0,
-      "Writes the 2:4 copy (docs/FORMAT.md) of a 16-bit packed weight into copy_values [nout, S4] and copy_indices "
-      "[nout, S4/16], as nmcli.format.two_of_four_copy does on the host; asynchronous on `stream`.");
+      py::arg("copy_values"), py::arg("copy_indices"), py::arg("stream") = 0, py::arg("index_words") = 0,
+      "Writes the 2:4 copy (docs/FORMAT.md) of a 16-bit packed weight (index_words: its rows' words, 0 for S*B/32) "
+      "into copy_values [nout, S4] and copy_indices [nout, S4/16], as nmcli.format.two_of_four_copy does on the "
+      "host; asynchronous on `stream`.");
   mod.def(
       "cuda_copy",
       [](uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t stream) {

@@ -326,6 +326,7 @@ CudaMatMul sparse_tensor_core_view(const CudaMatMul& c, bool staged) {
     view.indices = c.copy_indices;
   }
   view.shape = NMShape::make(c.shape.k, c.shape.nout, 2, 4);
+  if (!staged && c.copy_index_words > 0) view.shape = view.shape.with_index_words(c.copy_index_words);
   view.vector = 0;
   return view;
 }

@@ -22,7 +22,7 @@ struct CudaMatMul {
   DType dtype = DType::f16;
   const void* x = nullptr;            // [rows, K]
   const void* values = nullptr;       // [Nout, S]
-  const uint32_t* indices = nullptr;  // [Nout, S*B/32]
+  const uint32_t* indices = nullptr;  // [Nout, shape.index_words] (S*B/32, or padded: docs/FORMAT.md)
   const void* bias = nullptr;         // [Nout] or null
   const void* residual = nullptr;     // [rows, Nout] added to the output (single output only), or null
   const void* x_up = nullptr;         // [rows, K], read when glu != none
@@ -40,7 +40,8 @@ struct CudaMatMul {
   // The same weight packed as 2:4 (docs/FORMAT.md "A 2:4 copy"), or null: where given, the sparse
   // tensor-core path reads it instead of `values` and `indices`.
   const void* copy_values = nullptr;        // [Nout, S4]
-  const uint32_t* copy_indices = nullptr;   // [Nout, S4/16]
+  const uint32_t* copy_indices = nullptr;   // [Nout, copy_index_words]
+  int64_t copy_index_words = 0;             // the copy's words per row: 0 for S4 / 16, or padded (FORMAT.md)
 };
 
 // From how many rows, and from kStagedCopyMinOutputs outputs (rows x Nout), the sparse tensor cores
