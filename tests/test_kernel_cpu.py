@@ -135,6 +135,12 @@ def test_padded_rows_of_indices_give_the_same_products(rng, n, m, k, rows):
     assert error_ratio(y, ref, magnitude, np.float16, k) < 1
 
 
+def test_cpp_follows_the_same_format_version():
+    """kernels/nm_format.h mirrors nmcli/format.py: one version of docs/FORMAT.md for both."""
+    import nmcli.format
+    assert _kernels.FORMAT_VERSION == nmcli.format.FORMAT_VERSION == 2
+
+
 def test_cuda_binding_checks_rows_of_indices():
     """The CUDA binding takes rows of indices of S*B/32 words or padded to 16-byte units, for the
     weight and for its 2:4 copy, and refuses any other width before it touches a device."""
