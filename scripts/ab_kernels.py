@@ -48,7 +48,7 @@ class Point:
     """One call's buffers: the packed weight replicated over sets past L2, activations, outputs;
     shared by every build, so all of them run on the same bytes."""
 
-    def __init__(self, m, k, n, pattern, values, indices, l2_bytes, resident=False):
+    def __init__(self, m, k, n, pattern, values, indices, l2_bytes, resident=False, padded=False):
         self.m, self.k, self.n, self.pattern = m, k, n, pattern
         self.dtype, size = values.dtype, values.element_size()
         self.moved = values.numel() * size + indices.numel() * 4 + (m * k + m * n) * size  # bytes a call moves
@@ -62,11 +62,13 @@ class Point:
 
         self.values = buffers(values.clone)
         self.indices = buffers(indices.clone)
-        # the same rows of indices padded to 16-byte units (docs/FORMAT.md version 2), where that changes them
-        shape = PackedShape(k, n, pattern)
-        padded = torch.zeros(n, shape.padded_index_words, dtype=indices.dtype, device=indices.device)
-        padded[:, : shape.index_words] = indices
-        self.padded_indices = buffers(padded.clone) if shape.padded_index_words > shape.index_words else None
+        # padded: also the same rows of indices padded to 16-byte units (docs/FORMAT.md version 2),
+        # where that changes them
+        shape, self.padded_indices = PackedShape(k, n, pattern), None
+        if padded and shape.padded_index_words > shape.index_words:
+            wide = torch.zeros(n, shape.padded_index_words, dtype=indices.dtype, device=indices.device)
+            wide[:, : shape.index_words] = indices
+            self.padded_indices = buffers(wide.clone)
         self.x = buffers(lambda: torch.randn(m, k, device="cuda", dtype=self.dtype))
         self.y = buffers(lambda: torch.empty(m, n, device="cuda", dtype=self.dtype))
 
@@ -120,6 +122,7 @@ def main() -> None:
         builds[name] = load_build(name, so_path)
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     rng = np.random.default_rng(0)
+    layouts = args.index_rows or ["unpadded"]
     print(torch.cuda.get_device_name(0))
     for k, n in shapes:
         for nm in args.nm or ["2:8", "2:4"]:
@@ -128,8 +131,7 @@ def main() -> None:
             values = torch.from_numpy(packed.values).to("cuda", getattr(torch, args.dtype))
             indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
             for m in args.rows or [1]:
-                point = Point(m, k, n, pattern, values, indices, l2_bytes, args.resident)
-                layouts = args.index_rows or ["unpadded"]
+                point = Point(m, k, n, pattern, values, indices, l2_bytes, args.resident, "padded" in layouts)
                 runs = {(name, path, layout): [] for name in builds for path in paths for layout in layouts}
                 plans = {}  # the tile plan each build ran, where it reports one (from session 51)
                 for _ in range(ROUNDS):
