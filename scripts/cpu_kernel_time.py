@@ -5,6 +5,7 @@ with PYTHONPATH pointing at another build to compare two builds on this machine.
 
     python scripts/cpu_kernel_time.py
     python scripts/cpu_kernel_time.py --nm 2:4 --shape 4096x4096 --rows 1 --rows 4
+    python scripts/cpu_kernel_time.py --glu --shape 1408x512 --rows 64    # the gated prologue too
 """
 import argparse
 import statistics
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--shape", action="append", help="KxN (repeatable)")
     parser.add_argument("--rows", type=int, action="append", help="activation rows (repeatable; default 1, 4, 64)")
     parser.add_argument("--nm", default="2:8")
+    parser.add_argument("--glu", action="store_true",
+                        help="the op's GLU prologue (glu=silu, a second activation x_up); NumPy computes it too")
     args = parser.parse_args()
     pattern = NMPattern.parse(args.nm)
     rng = np.random.default_rng(0)
@@ -45,11 +48,13 @@ def main() -> None:
         w = rng.standard_normal((k, n)).astype(np.float32)
         packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
         for rows in args.rows or [1, 4, 64]:
-            x = rng.standard_normal((rows, k)).astype(np.float32)
+            x, up = (rng.standard_normal((rows, k)).astype(np.float32) for _ in range(2))
+            gated = dict(x_up=up, glu="silu") if args.glu else {}
             ours = median_ms(lambda: _kernels.nm_matmul_cpu(x, packed.values, packed.indices, None, pattern.n,
-                                                            pattern.m, k, 1.0, threads=1))
-            dense = median_ms(lambda: x @ w)
-            print(f"{rows:3d} x {k} x {n} {pattern}: nmcli {ours:.3f} ms, numpy dense fp32 {dense:.3f} ms", flush=True)
+                                                            pattern.m, k, 1.0, threads=1, **gated))
+            dense = median_ms(lambda: (x / (1 + np.exp(-x)) * up if args.glu else x) @ w)
+            print(f"{rows:3d} x {k} x {n} {pattern}{' glu' if args.glu else ''}: nmcli {ours:.3f} ms, "
+                  f"numpy dense fp32 {dense:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ def packed_random(rng, k, nout, pattern, dtype):
                                             ((2, 2, 3, 256), 256, 64), ((33,), 33, 9),
                                             # row tiles of 4, 16 and 32 (the last one partial)
                                             ((3, 40), 40, 7), ((2, 7, 48), 48, 20), ((70, 96), 96, 40),
+                                            # 32-row tiles walking K in chunks of 256 positions or
+                                            # less (a partial last chunk, a partial last group),
+                                            # partial last tile and column block
+                                            ((40, 1000), 1000, 37), ((3, 33, 600), 600, 20),
                                             # one row: chunks of 8 entries, a partial last group,
                                             # a last chunk read from its two index words
                                             ((1, 1000), 1000, 37), ((1, 4099), 4099, 20), ((1, 1, 512), 512, 12)])
@@ -43,7 +47,7 @@ def test_matches_reference(rng, n, m, dtype, x_shape, k, nout):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("x_shape,k,nout,nm", [((1, 64), 64, 5, (2, 8)), ((2, 3, 71), 71, 17, (2, 4)),
-                                               ((9, 130), 130, 40, (1, 8))])
+                                               ((9, 130), 130, 40, (1, 8)), ((50, 700), 700, 33, (2, 8))])
 @pytest.mark.parametrize("residual,glu", [(True, False), (False, True), (True, True)])
 def test_fused_neighbours_match_reference(rng, dtype, x_shape, k, nout, nm, residual, glu):
     """Y = alpha * (silu(x) * x_up) @ W + bias + residual, each part optional."""
@@ -60,7 +64,34 @@ def test_fused_neighbours_match_reference(rng, dtype, x_shape, k, nout, nm, resi
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("x_shape,k,nout", [((1, 64), 64, 5), ((2, 3, 71), 71, 17), ((9, 130), 130, 40)])
+def test_no_rows_gives_an_empty_output(rng, dtype):
+    """An activation with no rows ([0, K], as an empty batch) gives an empty [0, Nout] output."""
+    packed = packed_random(rng, 64, 9, NMPattern(2, 8), dtype)
+    y = _kernels.nm_matmul_cpu(np.zeros((0, 64), dtype), packed.values, packed.indices, n=2, m=8, k=64)
+    assert y.shape == (0, 9) and y.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_silu_gate_over_the_whole_float_range(rng, dtype):
+    """The GLU prologue, silu(x) * x_up, on activations from -120 to 120 (past where e^-x over- and
+    underflows in fp32, and past fp16's range for x * x_up where the dtype is fp16: -20 to 20),
+    shuffled, 8 lanes at a time and the tail one by one: within the dtype's bound of the float64
+    reference."""
+    k, nout, rows = 259, 24, 20
+    limit = 120.0 if dtype == np.float32 else 20.0
+    x = np.linspace(-limit, limit, rows * k).astype(dtype)
+    rng.shuffle(x)
+    x = x.reshape(rows, k)
+    x_up = rng.standard_normal((rows, k)).astype(dtype)
+    packed = packed_random(rng, k, nout, NMPattern(2, 8), dtype)
+    y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=2, m=8, k=k, x_up=x_up, glu="silu")
+    ref, magnitude = dense_reference(gated_activation(x, x_up), unpack(packed))
+    assert error_ratio(y, ref, magnitude, dtype, k, rounded_input=dtype != np.float32) < 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("x_shape,k,nout", [((1, 64), 64, 5), ((2, 3, 71), 71, 17), ((9, 130), 130, 40),
+                                            ((36, 520), 520, 20)])
 def test_rms_norm_prologue_matches_reference(rng, dtype, x_shape, k, nout):
     packed = packed_random(rng, k, nout, NMPattern(2, 8), dtype)
     x = (4 * rng.standard_normal(x_shape)).astype(dtype)
@@ -103,7 +134,8 @@ from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio
 rng = np.random.default_rng(7)
 for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64, 9, (2, 4)), (70, 96, 40, (4, 16)),
-                              (1, 1000, 37, (2, 8)), (1, 4099, 20, (4, 16))]:
+                              (1, 1000, 37, (2, 8)), (1, 4099, 20, (4, 16)), (40, 1000, 37, (2, 8)),
+                              (66, 700, 20, (1, 4))]:
     for dtype in (np.float32, np.float16):
         w = rng.standard_normal((k, nout)).astype(dtype)
         packed = pack(w, choose_offsets(np.abs(w), NMPattern(n, m)), NMPattern(n, m))

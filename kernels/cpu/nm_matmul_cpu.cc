@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -15,6 +16,67 @@
 #endif
 
 namespace nmcli {
+namespace {
+
+#ifdef NMCLI_CPU_X86
+bool has_avx2_fma();
+
+// e^x, 8 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by its Taylor series to r^6
+// (relative error under 3e-7), 2^n from the exponent bits. x is clamped to [-87, 88], where 2^n
+// stays a normal float; silu only meets e^x past that range as 1 + e^x against 1 or as e^x >> 1.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln2 = 355/512 - 2.12194440e-4: n * 355/512 is exact for |n| <= 128
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// a[i] = silu(a[i]) * up[i] for fp32 `up`, 8 at a time, the rest one by one.
+__attribute__((target("avx2,fma"))) void silu_gate_avx2(const float* up, float* a, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 x = _mm256_loadu_ps(a + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    const __m256 y = _mm256_div_ps(_mm256_mul_ps(x, _mm256_loadu_ps(up + i)), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(a + i, y);
+  }
+  for (; i < count; ++i) a[i] = gated_activation(Glu::silu, a[i], up[i]);
+}
+#endif
+
+// A = gate(A, up) in place (A already fp32): the GLU prologue, one pass over the call's rows. With
+// AVX2 and FMA, silu takes 8 lanes with exp8 (with a scalar expf a value, a gated 64 x 1408 x 512
+// 2:8 call took 1.6x the ungated one's time, BENCHMARKS.md session 72); `up` in another dtype
+// goes through fp32 in slices.
+template <typename T>
+void gate(Glu glu, const T* up, float* a, int64_t count) {
+#ifdef NMCLI_CPU_X86
+  if (glu == Glu::silu && has_avx2_fma()) {
+    if constexpr (std::is_same_v<T, float>) {
+      return silu_gate_avx2(up, a, count);
+    } else {
+      constexpr int64_t kSlice = 1024;
+      float up32[kSlice];
+      for (int64_t i0 = 0; i0 < count; i0 += kSlice) {
+        const int64_t n = std::min(kSlice, count - i0);
+        for (int64_t i = 0; i < n; ++i) up32[i] = to_float(up[i0 + i]);
+        silu_gate_avx2(up32, a + i0, n);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) a[i] = gated_activation(glu, a[i], to_float(up[i]));
+}
+
+}  // namespace
 
 template <typename T>
 NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args) : args_(args) {
@@ -28,9 +90,8 @@ NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args) : args_(args) {
   }
   // Convert (and gate) once, not once per output column.
   x32_storage_ = new float[static_cast<size_t>(std::max<int64_t>(count, 1))];
-  for (int64_t i = 0; i < count; ++i)
-    x32_storage_[i] = args.glu == Glu::none ? to_float(args.x[i])
-                                            : gated_activation(args.glu, to_float(args.x[i]), to_float(args.x_up[i]));
+  for (int64_t i = 0; i < count; ++i) x32_storage_[i] = to_float(args.x[i]);
+  if (args.glu != Glu::none) gate(args.glu, args.x_up, x32_storage_, count);
   if (args.norm_weight) {
     const int64_t K = args.shape.k;
     for (int64_t r = 0; r < args.rows; ++r) {
@@ -58,16 +119,30 @@ template <typename T>
 void NMMatMulCpu<T>::build_tiles() {
   const int64_t rows = args_.rows, K = args_.shape.k;
   tile_rows_ = rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 16 ? 16 : 32;
-  const int64_t tiles = (rows + tile_rows_ - 1) / tile_rows_;
-  tiles_ = new float[static_cast<size_t>(tiles * K * tile_rows_)]();
-  for (int64_t r = 0; r < rows; ++r) {
-    float* tile = tiles_ + (r / tile_rows_) * K * tile_rows_ + r % tile_rows_;
-    const float* row = x32_ + r * K;
-    for (int64_t k = 0; k < K; ++k) tile[k * tile_rows_] = row[k];
+  const int64_t R = tile_rows_, tiles = (rows + R - 1) / R;
+  tiles_ = new float[static_cast<size_t>(tiles * K * R)];
+  // A span of K positions at a time, whose R * kSpan floats stay in L1 while each row writes its
+  // column of them (row by row over all of K, the writes R floats apart missed L1: 13% of a 64 x
+  // 1408 x 512 2:8 call, BENCHMARKS.md session 72). Rows past the last are zeros.
+  constexpr int64_t kSpan = 64;
+  for (int64_t t = 0; t < tiles; ++t) {
+    float* tile = tiles_ + t * K * R;
+    for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
+      const int64_t k1 = std::min(K, k0 + kSpan);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = t * R + r;
+        const float* in = row < rows ? x32_ + row * K : nullptr;
+        for (int64_t k = k0; k < k1; ++k) tile[k * R + r] = in ? in[k] : 0.0f;
+      }
+    }
   }
 }
 
 namespace {
+
+// The slice of a 32-row tile of A that a chunk of K covers (compute_block): within a core's L1
+// data cache (32-48 KB on x86 cores since Skylake and Zen).
+constexpr int64_t kTileChunkBytes = 32 * 1024;
 
 // Decodes a column's stored entries into (position, value) pairs and returns how many, reading
 // the offsets in order (OffsetStream) and dropping entries at k >= K (only in a partial last
@@ -94,15 +169,16 @@ int64_t decode_column(const NMShape& s, const T* vrow, const uint32_t* irow, int
   return live;
 }
 
-// sums[r] = sum over the column's entries of v * tile[k][r], r < R: R contiguous floats per entry,
-// as R / V vectors of V lanes (GCC/Clang vector extensions; left to itself the compiler kept the
-// sums in memory and multiplied one lane at a time).
+// sums[r] += sum over the entries of v * tile[k][r], r < R: R contiguous floats per entry, as
+// R / V vectors of V lanes (GCC/Clang vector extensions; left to itself the compiler kept the sums
+// in memory and multiplied one lane at a time).
 template <int R, int V>
 inline __attribute__((always_inline)) void tile_sums_body(const int32_t* pos, const float* val, int64_t live,
                                                           const float* tile, float* sums) {
   typedef float Vec __attribute__((vector_size(V * sizeof(float))));
   // Two sets of sums, for even and odd entries: twice the independent FMA chains in flight.
-  Vec a[R / V] = {}, b[R / V] = {};
+  Vec a[R / V], b[R / V] = {};
+  std::memcpy(a, sums, sizeof(a));
   int64_t j = 0;
   for (; j + 2 <= live; j += 2) {
     const float* xa = tile + static_cast<int64_t>(pos[j]) * R;
@@ -331,32 +407,69 @@ template <typename T>
 void NMMatMulCpu<T>::compute_block(int64_t block) const {
   const NMShape& s = args_.shape;
   const int64_t col_begin = block * kColumnsPerBlock;
-  const int64_t col_end = std::min(s.nout, col_begin + kColumnsPerBlock);
-  const int64_t rows = args_.rows, K = s.k;
-  std::vector<int32_t> pos(static_cast<size_t>(s.stored()));
-  std::vector<float> val(static_cast<size_t>(s.stored()));
-  float sums[32];
+  const int64_t cols = std::min(s.nout, col_begin + kColumnsPerBlock) - col_begin;
+  const int64_t rows = args_.rows, stored = s.stored();
+  if (rows == 0) return;  // no outputs (and no tiles)
   const ColumnDecoder<T> decoder(s);
-
-  for (int64_t col = col_begin; col < col_end; ++col) {
-    const T* vrow = args_.values + col * s.row_len;
-    const uint32_t* irow = args_.indices + col * s.index_words;
+  auto values = [&](int64_t c) { return args_.values + (col_begin + c) * s.row_len; };
+  auto indices = [&](int64_t c) { return args_.indices + (col_begin + c) * s.index_words; };
+  // Output (r, col_begin + c) from its sum: scaled, biased, the residual added.
+  auto output = [&](int64_t r, int64_t c, float sum) {
+    const int64_t col = col_begin + c;
     const float bias = args_.bias ? to_float(args_.bias[col]) : 0.0f;
-    const OutputColumn<T> y = args_.y.column(col);
-    // The residual of output (r, col), read where the row is written.
-    auto residual = [&](int64_t r) { return args_.residual ? to_float(args_.residual[r * s.nout + col]) : 0.0f; };
-    if (rows == 1) {
-      const float sum = decoder.dot(vrow, irow, x32_, pos.data(), val.data());
-      y[0] = from_float<T>(args_.alpha * sum + bias + residual(0));
-      continue;
+    const float residual = args_.residual ? to_float(args_.residual[r * s.nout + col]) : 0.0f;
+    return from_float<T>(args_.alpha * sum + bias + residual);
+  };
+  OutputColumn<T> ys[kColumnsPerBlock];
+  for (int64_t c = 0; c < cols; ++c) ys[c] = args_.y.column(col_begin + c);
+
+  if (rows == 1) {
+    std::vector<int32_t> pos(static_cast<size_t>(stored));
+    std::vector<float> val(static_cast<size_t>(stored));
+    for (int64_t c = 0; c < cols; ++c)
+      ys[c][0] = output(0, c, decoder.dot(values(c), indices(c), x32_, pos.data(), val.data()));
+    return;
+  }
+  // From 2 rows: each column decoded once, its sums for a tile of rows gathered in `sums`, written
+  // row by row so that a row's outputs of the block lie side by side (written column by column, a
+  // tile's rows Nout apart shared one L1 set: 1.15-1.25x slower at 32-64 rows, BENCHMARKS.md session 72).
+  alignas(64) float sums[kColumnsPerBlock][32];
+  auto write_tile = [&](int64_t r0) {
+    for (int64_t r = r0; r < std::min(rows, r0 + tile_rows_); ++r)
+      for (int64_t c = 0; c < cols; ++c) ys[c][r] = output(r, c, sums[c][r - r0]);
+  };
+  std::memset(sums, 0, sizeof(sums));
+  if (tile_rows_ < 32) {  // one tile: each column summed as soon as it is decoded, its entries in L1
+    std::vector<int32_t> pos(static_cast<size_t>(stored));
+    std::vector<float> val(static_cast<size_t>(stored));
+    for (int64_t c = 0; c < cols; ++c)
+      tile_sums(tile_rows_, pos.data(), val.data(), decoder.decode(values(c), indices(c), pos.data(), val.data()),
+                tiles_, sums[c]);
+    return write_tile(0);
+  }
+  // Tiles of 32 rows: the block's columns decoded first, then K walked in chunks whose slice of the
+  // tile (chunk * 128 bytes) stays in L1 while every column of the block reads it; a whole column
+  // at a time read the tile from L2 (1.15-1.25x slower at 64 rows, session 72). Smaller tiles read
+  // their decoded entries back from L2 that way, and lost (up to 1.4x).
+  std::vector<int32_t> pos(static_cast<size_t>(cols * stored));
+  std::vector<float> val(static_cast<size_t>(cols * stored));
+  int64_t live[kColumnsPerBlock];
+  for (int64_t c = 0; c < cols; ++c)
+    live[c] = decoder.decode(values(c), indices(c), pos.data() + c * stored, val.data() + c * stored);
+  const int64_t chunk = std::max<int64_t>(s.m, kTileChunkBytes / (32 * 4) / s.m * s.m);
+  for (int64_t r0 = 0; r0 < rows; r0 += tile_rows_) {
+    if (r0 > 0) std::memset(sums, 0, sizeof(sums));
+    const float* tile = tiles_ + r0 * s.k;
+    for (int64_t k0 = 0; k0 < s.k; k0 += chunk) {
+      // The chunk's entries: those of its whole groups (chunks end on groups; the last takes the rest).
+      const int64_t first = k0 / s.m * s.n, end = k0 + chunk >= s.k ? stored : (k0 + chunk) / s.m * s.n;
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t last = std::min(end, live[c]);
+        if (last > first)
+          tile_sums(32, pos.data() + c * stored + first, val.data() + c * stored + first, last - first, tile, sums[c]);
+      }
     }
-    // Decode the column once; every activation row reuses it.
-    const int64_t live = decoder.decode(vrow, irow, pos.data(), val.data());
-    for (int64_t r0 = 0; r0 < rows; r0 += tile_rows_) {
-      tile_sums(tile_rows_, pos.data(), val.data(), live, tiles_ + r0 * K, sums);
-      for (int64_t r = r0; r < std::min(rows, r0 + tile_rows_); ++r)
-        y[r] = from_float<T>(args_.alpha * sums[r - r0] + bias + residual(r));
-    }
+    write_tile(r0);
   }
 }
 
