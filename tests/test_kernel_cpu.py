@@ -29,6 +29,9 @@ def packed_random(rng, k, nout, pattern, dtype):
                                             # less (a partial last chunk, a partial last group),
                                             # partial last tile and column block
                                             ((40, 1000), 1000, 37), ((3, 33, 600), 600, 20),
+                                            # a 16-row tile whose K passes L1 (a whole column
+                                            # at a time)
+                                            ((12, 700), 700, 21),
                                             # one row: chunks of 8 entries, a partial last group,
                                             # a last chunk read from its two index words
                                             ((1, 1000), 1000, 37), ((1, 4099), 4099, 20), ((1, 1, 512), 512, 12)])
@@ -135,7 +138,7 @@ from nmcli.reference import dense_reference, error_ratio
 rng = np.random.default_rng(7)
 for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64, 9, (2, 4)), (70, 96, 40, (4, 16)),
                               (1, 1000, 37, (2, 8)), (1, 4099, 20, (4, 16)), (40, 1000, 37, (2, 8)),
-                              (66, 700, 20, (1, 4))]:
+                              (66, 700, 20, (1, 4)), (16, 1100, 20, (2, 8))]:
     for dtype in (np.float32, np.float16):
         w = rng.standard_normal((k, nout)).astype(dtype)
         packed = pack(w, choose_offsets(np.abs(w), NMPattern(n, m)), NMPattern(n, m))
