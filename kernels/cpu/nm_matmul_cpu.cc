@@ -413,19 +413,24 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
   const ColumnDecoder<T> decoder(s);
   auto values = [&](int64_t c) { return args_.values + (col_begin + c) * s.row_len; };
   auto indices = [&](int64_t c) { return args_.indices + (col_begin + c) * s.index_words; };
+  OutputColumn<T> ys[kColumnsPerBlock];
+  float biases[kColumnsPerBlock];
+  for (int64_t c = 0; c < cols; ++c) {
+    ys[c] = args_.y.column(col_begin + c);
+    biases[c] = args_.bias ? to_float(args_.bias[col_begin + c]) : 0.0f;
+  }
   // Output (r, col_begin + c) from its sum: scaled, biased, the residual added.
   auto output = [&](int64_t r, int64_t c, float sum) {
-    const int64_t col = col_begin + c;
-    const float bias = args_.bias ? to_float(args_.bias[col]) : 0.0f;
-    const float residual = args_.residual ? to_float(args_.residual[r * s.nout + col]) : 0.0f;
-    return from_float<T>(args_.alpha * sum + bias + residual);
+    const float residual = args_.residual ? to_float(args_.residual[r * s.nout + col_begin + c]) : 0.0f;
+    return from_float<T>(args_.alpha * sum + biases[c] + residual);
   };
-  OutputColumn<T> ys[kColumnsPerBlock];
-  for (int64_t c = 0; c < cols; ++c) ys[c] = args_.y.column(col_begin + c);
+  // Decoded (position, value) pairs: one column's, or every column's of the block where 32-row
+  // tiles walk K in chunks (below).
+  const bool chunked = tile_rows_ == 32;
+  std::vector<int32_t> pos(static_cast<size_t>((chunked ? cols : 1) * stored));
+  std::vector<float> val(pos.size());
 
   if (rows == 1) {
-    std::vector<int32_t> pos(static_cast<size_t>(stored));
-    std::vector<float> val(static_cast<size_t>(stored));
     for (int64_t c = 0; c < cols; ++c)
       ys[c][0] = output(0, c, decoder.dot(values(c), indices(c), x32_, pos.data(), val.data()));
     return;
@@ -438,10 +443,8 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
     for (int64_t r = r0; r < std::min(rows, r0 + tile_rows_); ++r)
       for (int64_t c = 0; c < cols; ++c) ys[c][r] = output(r, c, sums[c][r - r0]);
   };
-  std::memset(sums, 0, sizeof(sums));
-  if (tile_rows_ < 32) {  // one tile: each column summed as soon as it is decoded, its entries in L1
-    std::vector<int32_t> pos(static_cast<size_t>(stored));
-    std::vector<float> val(static_cast<size_t>(stored));
+  if (!chunked) {  // one tile: each column summed as soon as it is decoded, its entries in L1
+    std::memset(sums, 0, sizeof(sums));
     for (int64_t c = 0; c < cols; ++c)
       tile_sums(tile_rows_, pos.data(), val.data(), decoder.decode(values(c), indices(c), pos.data(), val.data()),
                 tiles_, sums[c]);
@@ -451,14 +454,12 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
   // tile (chunk * 128 bytes) stays in L1 while every column of the block reads it; a whole column
   // at a time read the tile from L2 (1.15-1.25x slower at 64 rows, session 72). Smaller tiles read
   // their decoded entries back from L2 that way, and lost (up to 1.4x).
-  std::vector<int32_t> pos(static_cast<size_t>(cols * stored));
-  std::vector<float> val(static_cast<size_t>(cols * stored));
   int64_t live[kColumnsPerBlock];
   for (int64_t c = 0; c < cols; ++c)
     live[c] = decoder.decode(values(c), indices(c), pos.data() + c * stored, val.data() + c * stored);
-  const int64_t chunk = std::max<int64_t>(s.m, kTileChunkBytes / (32 * 4) / s.m * s.m);
+  const int64_t chunk = std::max<int64_t>(s.m, kTileChunkBytes / (tile_rows_ * 4) / s.m * s.m);
   for (int64_t r0 = 0; r0 < rows; r0 += tile_rows_) {
-    if (r0 > 0) std::memset(sums, 0, sizeof(sums));
+    std::memset(sums, 0, sizeof(sums));
     const float* tile = tiles_ + r0 * s.k;
     for (int64_t k0 = 0; k0 < s.k; k0 += chunk) {
       // The chunk's entries: those of its whole groups (chunks end on groups; the last takes the rest).
@@ -466,7 +467,8 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t last = std::min(end, live[c]);
         if (last > first)
-          tile_sums(32, pos.data() + c * stored + first, val.data() + c * stored + first, last - first, tile, sums[c]);
+          tile_sums(tile_rows_, pos.data() + c * stored + first, val.data() + c * stored + first, last - first, tile,
+                    sums[c]);
       }
     }
     write_tile(r0);
