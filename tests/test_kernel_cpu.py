@@ -29,6 +29,9 @@ def packed_random(rng, k, nout, pattern, dtype):
                                             # less (a partial last chunk, a partial last group),
                                             # partial last tile and column block
                                             ((40, 1000), 1000, 37), ((3, 33, 600), 600, 20),
+                                            # tiles past 1 MB: blocks of 64 columns on up to 2
+                                            # hardware threads (of 32 up to 4), a partial last one
+                                            ((40, 6600), 6600, 300),
                                             # a 16-row tile whose K passes L1 (a whole column
                                             # at a time)
                                             ((12, 700), 700, 21),
@@ -125,10 +128,11 @@ def test_fused_neighbours_reject_bad_inputs(rng):
                                **call)
 
 
-def test_baseline_vectors_match_reference(tmp_path):
+@pytest.mark.parametrize("switch", ["NMCLI_CPU_BASELINE", "NMCLI_CPU_NO_AVX512"])
+def test_narrower_vectors_match_reference(tmp_path, switch):
     """NMCLI_CPU_BASELINE=1 keeps the portable code (4-lane row tiles, the decoded 1-row dot) on
-    CPUs with AVX2 too; it must agree with the reference as the default path does (own process:
-    the choice is made once)."""
+    CPUs with AVX2 too, NMCLI_CPU_NO_AVX512=1 the 8-lane code on CPUs with AVX-512; each must
+    agree with the reference as the default path does (own process: the choice is made once)."""
     script = """
 import numpy as np
 from nmcli import _kernels
@@ -138,7 +142,7 @@ from nmcli.reference import dense_reference, error_ratio
 rng = np.random.default_rng(7)
 for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64, 9, (2, 4)), (70, 96, 40, (4, 16)),
                               (1, 1000, 37, (2, 8)), (1, 4099, 20, (4, 16)), (40, 1000, 37, (2, 8)),
-                              (66, 700, 20, (1, 4)), (16, 1100, 20, (2, 8))]:
+                              (66, 700, 20, (1, 4)), (16, 1100, 20, (2, 8)), (40, 6600, 300, (2, 8))]:
     for dtype in (np.float32, np.float16):
         w = rng.standard_normal((k, nout)).astype(dtype)
         packed = pack(w, choose_offsets(np.abs(w), NMPattern(n, m)), NMPattern(n, m))
@@ -148,7 +152,7 @@ for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64,
         assert error_ratio(y, ref, magnitude, dtype, k) < 1, (rows, k, nout, n, m, dtype)
 print("ok")
 """
-    env = dict(os.environ, NMCLI_CPU_BASELINE="1")
+    env = dict(os.environ, **{switch: "1"})
     # Run outside the checkout, so the installed package (with its built module) is imported.
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)

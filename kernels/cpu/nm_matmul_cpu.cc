@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <new>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -85,6 +86,7 @@ NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args) : args_(args) {
     if (args.glu == Glu::none && !args.norm_weight) {
       x32_ = args.x;
       if (args.rows >= 2) build_tiles();
+      choose_block_columns();
       return;
     }
   }
@@ -104,12 +106,32 @@ NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args) : args_(args) {
   }
   x32_ = x32_storage_;
   if (args.rows >= 2) build_tiles();
+  choose_block_columns();
+}
+
+// Every block reads all of the tiles (from L2 while they fit there, from L3 or memory past it),
+// so from 1 MB of tiles blocks take 64 columns, or 32, reading the tiles a quarter or half as
+// often (256 x 11008 x 4096 2:8: 163 -> 120 ms on one thread, BENCHMARKS.md session 73), where
+// that still leaves two blocks a hardware thread for the pool to share out.
+template <typename T>
+void NMMatMulCpu<T>::choose_block_columns() {
+  constexpr int64_t kTilesInL2Bytes = 1 << 20;
+  if (tile_rows_ < 32) return;  // one tile, each column's walk over it already the whole block's
+  const int64_t tiles = (args_.rows + tile_rows_ - 1) / tile_rows_;
+  if (tiles * tile_rows_ * args_.shape.k * static_cast<int64_t>(sizeof(float)) <= kTilesInL2Bytes) return;
+  const int64_t threads = std::max(1u, std::thread::hardware_concurrency());
+  for (const int64_t cols : {kMaxColumnsPerBlock, kMaxColumnsPerBlock / 2}) {
+    if (args_.shape.nout / cols >= 2 * threads) {
+      block_cols_ = cols;
+      return;
+    }
+  }
 }
 
 template <typename T>
 NMMatMulCpu<T>::~NMMatMulCpu() {
   delete[] x32_storage_;
-  delete[] tiles_;
+  std::free(tiles_);
 }
 
 // From 2 rows on, A is also laid out as tiles of R rows, [tile][K][R] (zeros past the last row),
@@ -120,7 +142,11 @@ void NMMatMulCpu<T>::build_tiles() {
   const int64_t rows = args_.rows, K = args_.shape.k;
   tile_rows_ = rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 16 ? 16 : 32;
   const int64_t R = tile_rows_, tiles = (rows + R - 1) / R;
-  tiles_ = new float[static_cast<size_t>(tiles * K * R)];
+  // 64-byte aligned (aligned_alloc wants a multiple of it): with new[]'s 16, every other 8-lane
+  // load of a 32-row tile split two cache lines (7% of a 64 x 4096 x 4096 2:8 call, session 73).
+  const size_t bytes = static_cast<size_t>(tiles * K * R) * sizeof(float);
+  tiles_ = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+  if (!tiles_) throw std::bad_alloc();
   // A span of K positions at a time, whose R * kSpan floats stay in L1 while each row writes its
   // column of them (row by row over all of K, the writes R floats apart missed L1: 13% of a 64 x
   // 1408 x 512 2:8 call, BENCHMARKS.md session 72). Rows past the last are zeros.
@@ -213,11 +239,42 @@ __attribute__((target("avx2,fma"))) void tile_sums_avx2(const int32_t* pos, cons
                                                          const float* tile, float* sums) {
   tile_sums_body<R, R >= 8 ? 8 : 4>(pos, val, live, tile, sums);
 }
-// NMCLI_CPU_BASELINE=1 keeps the portable code on any CPU (tests run both).
+// NMCLI_CPU_BASELINE=1 keeps the portable code on any CPU, NMCLI_CPU_NO_AVX512=1 the AVX2 code
+// on CPUs with AVX-512 (tests run all three).
 bool has_avx2_fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c") && std::getenv("NMCLI_CPU_BASELINE") == nullptr;
   return yes;
+}
+bool has_avx512() {
+  static const bool yes = has_avx2_fma() && __builtin_cpu_supports("avx512f") && std::getenv("NMCLI_CPU_NO_AVX512") == nullptr;
+  return yes;
+}
+
+// Tiles of 16 or 32 rows with 16-lane AVX-512: a tile row is one or two aligned vectors, half the
+// loads and FMAs of 8 lanes (1.15-1.3x on 16-256 rows, session 73); four sets of sums, each entry
+// of four to its own, so that eight (or four) FMA chains are in flight.
+template <int L>
+__attribute__((target("avx512f"), always_inline)) inline void add_entry_avx512(__m512* sums, const float* x, float v) {
+  const __m512 w = _mm512_set1_ps(v);
+  for (int i = 0; i < L; ++i) sums[i] = _mm512_fmadd_ps(w, _mm512_load_ps(x + 16 * i), sums[i]);
+}
+
+template <int R>
+__attribute__((target("avx512f"))) void tile_sums_avx512(const int32_t* pos, const float* val, int64_t live,
+                                                         const float* tile, float* sums) {
+  constexpr int L = R / 16;
+  __m512 acc[4][L];
+  for (int i = 0; i < L; ++i) {
+    acc[0][i] = _mm512_loadu_ps(sums + 16 * i);
+    acc[1][i] = acc[2][i] = acc[3][i] = _mm512_setzero_ps();
+  }
+  int64_t j = 0;
+  for (; j + 4 <= live; j += 4)
+    for (int u = 0; u < 4; ++u) add_entry_avx512<L>(acc[u], tile + static_cast<int64_t>(pos[j + u]) * R, val[j + u]);
+  for (; j < live; ++j) add_entry_avx512<L>(acc[0], tile + static_cast<int64_t>(pos[j]) * R, val[j]);
+  for (int i = 0; i < L; ++i)
+    _mm512_storeu_ps(sums + 16 * i, _mm512_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]), _mm512_add_ps(acc[2][i], acc[3][i])));
 }
 #endif
 
@@ -345,6 +402,9 @@ __attribute__((target("avx2,fma,f16c"))) int64_t decode_avx2(const Chunks& g, co
 template <int R>
 void tile_sums_for(const int32_t* pos, const float* val, int64_t live, const float* tile, float* sums) {
 #ifdef NMCLI_CPU_X86
+  if constexpr (R >= 16) {
+    if (has_avx512()) return tile_sums_avx512<R>(pos, val, live, tile, sums);
+  }
   if (has_avx2_fma()) return tile_sums_avx2<R>(pos, val, live, tile, sums);
 #endif
   tile_sums_body<R, 4>(pos, val, live, tile, sums);
@@ -406,15 +466,15 @@ class ColumnDecoder {
 template <typename T>
 void NMMatMulCpu<T>::compute_block(int64_t block) const {
   const NMShape& s = args_.shape;
-  const int64_t col_begin = block * kColumnsPerBlock;
-  const int64_t cols = std::min(s.nout, col_begin + kColumnsPerBlock) - col_begin;
+  const int64_t col_begin = block * block_cols_;
+  const int64_t cols = std::min(s.nout, col_begin + block_cols_) - col_begin;
   const int64_t rows = args_.rows, stored = s.stored();
   if (rows == 0) return;  // no outputs (and no tiles)
   const ColumnDecoder<T> decoder(s);
   auto values = [&](int64_t c) { return args_.values + (col_begin + c) * s.row_len; };
   auto indices = [&](int64_t c) { return args_.indices + (col_begin + c) * s.index_words; };
-  OutputColumn<T> ys[kColumnsPerBlock];
-  float biases[kColumnsPerBlock];
+  OutputColumn<T> ys[kMaxColumnsPerBlock];
+  float biases[kMaxColumnsPerBlock];
   for (int64_t c = 0; c < cols; ++c) {
     ys[c] = args_.y.column(col_begin + c);
     biases[c] = args_.bias ? to_float(args_.bias[col_begin + c]) : 0.0f;
@@ -438,7 +498,7 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
   // From 2 rows: each column decoded once, its sums for a tile of rows gathered in `sums`, written
   // row by row so that a row's outputs of the block lie side by side (written column by column, a
   // tile's rows Nout apart shared one L1 set: 1.15-1.25x slower at 32-64 rows, BENCHMARKS.md session 72).
-  alignas(64) float sums[kColumnsPerBlock][32];
+  alignas(64) float sums[kMaxColumnsPerBlock][32];
   auto write_tile = [&](int64_t r0) {
     for (int64_t r = r0; r < std::min(rows, r0 + tile_rows_); ++r)
       for (int64_t c = 0; c < cols; ++c) ys[c][r] = output(r, c, sums[c][r - r0]);
@@ -454,7 +514,7 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
   // tile (chunk * 128 bytes) stays in L1 while every column of the block reads it; a whole column
   // at a time read the tile from L2 (1.15-1.25x slower at 64 rows, session 72). Smaller tiles read
   // their decoded entries back from L2 that way, and lost (up to 1.4x).
-  int64_t live[kColumnsPerBlock];
+  int64_t live[kMaxColumnsPerBlock];
   for (int64_t c = 0; c < cols; ++c)
     live[c] = decoder.decode(values(c), indices(c), pos.data() + c * stored, val.data() + c * stored);
   const int64_t chunk = std::max<int64_t>(s.m, kTileChunkBytes / (tile_rows_ * 4) / s.m * s.m);

@@ -27,29 +27,31 @@ struct NMMatMulArgs {
   NMShape shape;
 };
 
-// Output columns are processed in blocks; blocks are independent, so any thread pool can run
-// them: call prepare once, then compute_block(b) for every b in [0, num_blocks).
+// Output columns are processed in blocks of 16-64 (chosen per call); blocks are independent, so
+// any thread pool can run them: construct once, then compute_block(b) for every b in [0, num_blocks).
 template <typename T>
 class NMMatMulCpu {
  public:
-  static constexpr int64_t kColumnsPerBlock = 16;
+  static constexpr int64_t kMaxColumnsPerBlock = 64;
 
   explicit NMMatMulCpu(const NMMatMulArgs<T>& args);
   ~NMMatMulCpu();
   NMMatMulCpu(const NMMatMulCpu&) = delete;
   NMMatMulCpu& operator=(const NMMatMulCpu&) = delete;
 
-  int64_t num_blocks() const { return (args_.shape.nout + kColumnsPerBlock - 1) / kColumnsPerBlock; }
+  int64_t num_blocks() const { return (args_.shape.nout + block_cols_ - 1) / block_cols_; }
   void compute_block(int64_t block) const;
 
  private:
   void build_tiles();
+  void choose_block_columns();
 
   NMMatMulArgs<T> args_;
   const float* x32_ = nullptr;    // activations A as fp32 [rows, K]
   float* x32_storage_ = nullptr;  // owned when T is not float or A is not X
   int tile_rows_ = 0;             // from 2 rows: A in tiles of 4, 8, 16 or 32 rows, [tile][K][rows]
-  float* tiles_ = nullptr;
+  float* tiles_ = nullptr;         // 64-byte aligned: a 16- or 32-row tile's row is whole cache lines
+  int64_t block_cols_ = 16;       // output columns a block
 };
 
 // Convenience: the whole product on std::threads (used by the pybind module and tests).
