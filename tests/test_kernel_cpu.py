@@ -51,6 +51,20 @@ def test_matches_reference(rng, n, m, dtype, x_shape, k, nout):
     assert error_ratio(y, ref, magnitude, dtype, k) < 1
 
 
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (8, 16), (8, 12), (2, 6), (1, 2), (4, 12)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("k", [40, 1000, 1012, 1003])
+def test_one_row_chunk_pairs_match_reference(rng, n, m, dtype, k):
+    """One activation row where two chunks of 8 entries span at most 32 positions (2:4, 4:8, 8:16,
+    8:12, ...; AVX-512 reads X's window for them and permutes): an even and an odd number of
+    chunks, last pairs whose window would pass K, a partial last group."""
+    packed = packed_random(rng, k, 19, NMPattern(n, m), dtype)
+    x = rng.standard_normal((1, k)).astype(dtype)
+    y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=n, m=m, k=k)
+    ref, magnitude = dense_reference(x, unpack(packed), None, 1.0)
+    assert error_ratio(y, ref, magnitude, dtype, k) < 1
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("x_shape,k,nout,nm", [((1, 64), 64, 5, (2, 8)), ((2, 3, 71), 71, 17, (2, 4)),
                                                ((9, 130), 130, 40, (1, 8)), ((50, 700), 700, 33, (2, 8))])
@@ -142,7 +156,8 @@ from nmcli.reference import dense_reference, error_ratio
 rng = np.random.default_rng(7)
 for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64, 9, (2, 4)), (70, 96, 40, (4, 16)),
                               (1, 1000, 37, (2, 8)), (1, 4099, 20, (4, 16)), (40, 1000, 37, (2, 8)),
-                              (66, 700, 20, (1, 4)), (16, 1100, 20, (2, 8)), (40, 6600, 300, (2, 8))]:
+                              (66, 700, 20, (1, 4)), (16, 1100, 20, (2, 8)), (40, 6600, 300, (2, 8)),
+                              (1, 1012, 20, (2, 4)), (1, 1003, 20, (8, 12))]:
     for dtype in (np.float32, np.float16):
         w = rng.standard_normal((k, nout)).astype(dtype)
         packed = pack(w, choose_offsets(np.abs(w), NMPattern(n, m)), NMPattern(n, m))

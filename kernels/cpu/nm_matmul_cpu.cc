@@ -294,52 +294,61 @@ float dot_decoded(const int32_t* pos, const float* val, int64_t live, const floa
 }
 
 #ifdef NMCLI_CPU_X86
-// AVX2 decoding, 8 entries ("a chunk") at a time, for patterns where N divides 8 or 8 divides N
-// and B <= 4 (every family users prune to but 8:32 and 16:32):
+// AVX2 decoding, 8 entries ("a chunk") at a time, for patterns where N divides 8 or N is 8, and
+// B <= 4 (every family users prune to but 8:32 and 16:32; a larger multiple of 8 needs M > 16):
 //  * chunk c's 8 * B offset bits are the B bytes at byte c * B of the row's index words,
 //    shifted apart per lane;
-//  * lane i sits in group (8c + i) / N: position (8c / N) * M + (i / N) * M + offset when N
-//    divides 8, (c / (N / 8)) * M + offset when 8 divides N.
+//  * lane i sits in group (8c + i) / N: position c * step + (i / N) * M + offset, where a
+//    chunk spans step = (8 / N) * M positions (M when N is 8).
 // Chunks cover the full groups only (positions below K by construction); the partial last group
 // goes through read_offset one entry at a time.
 struct Chunks {
   int64_t count = 0;      // chunks in the row's full groups
   int64_t unaligned = 0;  // chunks whose 4-byte offset read stays inside the row's index words
-  int bits = 0, step = 0, per_group = 1;
-  bool lanes_span_groups = false;  // N divides 8
+  int bits = 0, step = 0;   // step: positions a chunk spans
 
   static bool make(const NMShape& s, Chunks* g) {
-    if (s.bits > 4 || (8 % s.n != 0 && s.n % 8 != 0)) return false;
+    if (s.bits > 4 || 8 % s.n != 0) return false;
     g->count = s.k / s.m * s.n / 8;
     g->unaligned = std::min(g->count, (s.index_words * 4 - 4) / s.bits + 1);
     g->bits = s.bits;
-    g->lanes_span_groups = 8 % s.n == 0;
-    g->step = g->lanes_span_groups ? 8 / s.n * s.m : s.m;
-    g->per_group = g->lanes_span_groups ? 1 : s.n / 8;
+    g->step = 8 / s.n * s.m;
     return true;
   }
 };
 
-// Positions and fp32 values of chunk c (T: float or half_t).
-template <typename T>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline void chunk_entries(
-    const Chunks& g, const NMShape& s, const T* vrow, const uint32_t* irow, int64_t c, __m256i* positions,
-    __m256* values) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i lane_base = g.lanes_span_groups
-                                ? _mm256_mullo_epi32(_mm256_srli_epi32(lane, __builtin_ctz(s.n)), _mm256_set1_epi32(s.m))
-                                : _mm256_setzero_si256();
+// The per-lane constants of chunk decoding, made once a call.
+struct ChunkLanes {
+  __m256i group_base;  // lane i: (i / N) * M
+  __m256i shifts;      // lane i: i * B
+  __m256i mask;        // (1 << B) - 1
+
+  __attribute__((target("avx2"), always_inline)) static ChunkLanes make(const Chunks& g, const NMShape& s) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return {_mm256_mullo_epi32(_mm256_srli_epi32(lane, __builtin_ctz(s.n)), _mm256_set1_epi32(s.m)),
+            _mm256_mullo_epi32(lane, _mm256_set1_epi32(g.bits)), _mm256_set1_epi32((1 << g.bits) - 1)};
+  }
+};
+
+// Chunk c's positions relative to its first position, c * step.
+__attribute__((target("avx2"), always_inline)) inline __m256i chunk_positions(const ChunkLanes& lanes, const Chunks& g,
+                                                                             const uint32_t* irow, int64_t c) {
   uint32_t word;
   if (c < g.unaligned) {
     std::memcpy(&word, reinterpret_cast<const unsigned char*>(irow) + c * g.bits, sizeof(word));
   } else {  // the row's last chunks: from the words their bits lie in
     word = read_bits(irow, c * 8 * g.bits, 8 * g.bits);
   }
-  const __m256i offsets = _mm256_and_si256(
-      _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_mullo_epi32(lane, _mm256_set1_epi32(g.bits))),
-      _mm256_set1_epi32((1 << g.bits) - 1));
-  const int32_t chunk_base = static_cast<int32_t>(c / g.per_group * g.step);
-  *positions = _mm256_add_epi32(_mm256_add_epi32(lane_base, offsets), _mm256_set1_epi32(chunk_base));
+  const __m256i offsets = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), lanes.shifts), lanes.mask);
+  return _mm256_add_epi32(lanes.group_base, offsets);
+}
+
+// Positions and fp32 values of chunk c (T: float or half_t).
+template <typename T>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void chunk_entries(
+    const ChunkLanes& lanes, const Chunks& g, const T* vrow, const uint32_t* irow, int64_t c, __m256i* positions,
+    __m256* values) {
+  *positions = _mm256_add_epi32(chunk_positions(lanes, g, irow, c), _mm256_set1_epi32(static_cast<int32_t>(c * g.step)));
   if constexpr (std::is_same_v<T, float>) {
     *values = _mm256_loadu_ps(vrow + c * 8);
   } else {
@@ -358,24 +367,61 @@ inline void for_each_tail_entry(const Chunks& g, const NMShape& s, const T* vrow
 }
 
 // One activation row: decoded and multiplied in one pass, X gathered (2.4-3.3x the decode-then-
-// multiply loop on a Zen 5 core, BENCHMARKS.md session 16).
+// multiply loop on a Zen 5 core, BENCHMARKS.md session 16); chunks from `first` on, then the
+// entries after them.
 template <typename T>
 __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const Chunks& g, const NMShape& s, const T* vrow,
-                                                         const uint32_t* irow, const float* x) {
+                                                         const uint32_t* irow, const float* x, int64_t first = 0) {
+  const ChunkLanes lanes = ChunkLanes::make(g, s);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (int64_t c = 0; c < g.count; ++c) {
+  for (int64_t c = first; c < g.count; ++c) {
     __m256i positions;
     __m256 values;
-    chunk_entries(g, s, vrow, irow, c, &positions, &values);
+    chunk_entries(lanes, g, vrow, irow, c, &positions, &values);
     const __m256 xs = _mm256_i32gather_ps(x, positions, 4);
     if (c & 1) acc1 = _mm256_fmadd_ps(values, xs, acc1);
     else acc0 = _mm256_fmadd_ps(values, xs, acc0);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
-  float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, _mm256_add_ps(acc0, acc1));
+  float sum = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
   for_each_tail_entry(g, s, vrow, irow, [&](int64_t k, float v) { sum += v * x[k]; });
   return sum;
+}
+
+// Whether two chunks span at most 32 positions (2:4, 4:8, 8:16, 8:12, ...), the window of X that
+// dot_avx512 reads for them. Wider pairs (1:4, 2:8, 4:16: 64 positions, two permutes and a blend)
+// were no faster than the gathers of dot_avx2 (0.9-1.06x, session 73).
+inline bool pairs_in_32(const Chunks& g) { return 2 * g.step <= 32; }
+
+// One activation row, 16 entries (two chunks) at a time, for pairs_in_32 patterns: X's 32 floats
+// for the pair loaded whole and the entries' values picked out with a two-source permute instead
+// of gathered (1.16-1.2x on 2:4 and 4:8, session 73). The last pairs, whose window would pass K,
+// and the rest go to dot_avx2.
+template <typename T>
+__attribute__((target("avx512f,avx2,fma,f16c"))) float dot_avx512(const Chunks& g, const NMShape& s, const T* vrow,
+                                                                   const uint32_t* irow, const float* x) {
+  const ChunkLanes lanes = ChunkLanes::make(g, s);
+  // the pair's second chunk starts step positions after its first
+  const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(g.step), 1);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= g.count && c * g.step + 32 <= s.k; c += 2) {
+    const __m512i rel = _mm512_add_epi32(
+        _mm512_inserti64x4(_mm512_zextsi256_si512(chunk_positions(lanes, g, irow, c)), chunk_positions(lanes, g, irow, c + 1), 1),
+        second);
+    const float* w = x + c * g.step;
+    const __m512 xs = _mm512_permutex2var_ps(_mm512_loadu_ps(w), rel, _mm512_loadu_ps(w + 16));
+    __m512 values;
+    if constexpr (std::is_same_v<T, float>) {
+      values = _mm512_loadu_ps(vrow + c * 8);
+    } else {
+      values = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 8)));
+    }
+    if (c & 2) acc1 = _mm512_fmadd_ps(values, xs, acc1);
+    else acc0 = _mm512_fmadd_ps(values, xs, acc0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + dot_avx2(g, s, vrow, irow, x, c);
 }
 
 // decode_column's result (positions and fp32 values of the live entries, their count), for the
@@ -383,10 +429,11 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const Chunks& g, const N
 template <typename T>
 __attribute__((target("avx2,fma,f16c"))) int64_t decode_avx2(const Chunks& g, const NMShape& s, const T* vrow,
                                                               const uint32_t* irow, int32_t* pos, float* val) {
+  const ChunkLanes lanes = ChunkLanes::make(g, s);
   for (int64_t c = 0; c < g.count; ++c) {
     __m256i positions;
     __m256 values;
-    chunk_entries(g, s, vrow, irow, c, &positions, &values);
+    chunk_entries(lanes, g, vrow, irow, c, &positions, &values);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pos + c * 8), positions);
     _mm256_storeu_ps(val + c * 8, values);
   }
@@ -446,6 +493,7 @@ class ColumnDecoder {
   float dot(const T* vrow, const uint32_t* irow, const float* x, int32_t* pos, float* val) const {
 #ifdef NMCLI_CPU_X86
     if constexpr (kVectorTypes) {
+      if (chunked_ && has_avx512() && pairs_in_32(chunks_)) return dot_avx512(chunks_, s_, vrow, irow, x);
       if (chunked_) return dot_avx2(chunks_, s_, vrow, irow, x);
     }
 #endif
