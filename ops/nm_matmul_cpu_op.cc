@@ -1,11 +1,47 @@
 // nmcli.NMMatMul on ONNX Runtime's CPU execution provider.
 #include "nm_matmul_cpu_op.h"
 
+#include <cstdint>
+
 #include "../kernels/cpu/nm_matmul_cpu.h"
 #include "op_timer.h"
 
 namespace nmcli {
 namespace {
+
+// A call's activation tiles in memory from the CPU provider's allocator: its arena keeps the
+// pages between runs, where memory of our own came fresh each call and faulted in page by page
+// (BENCHMARKS.md session 73). Null where ORT lends no allocator: the kernel allocates its own.
+class ArenaTiles {
+ public:
+  ArenaTiles(const Ort::KernelContext& ctx, size_t bytes) {
+    if (bytes == 0) return;
+    try {
+      const Ort::MemoryInfo cpu = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+      allocator_ = ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(cpu));
+    } catch (const Ort::Exception&) {
+      allocator_ = nullptr;
+    }
+    if (allocator_) raw_ = allocator_->Alloc(allocator_, bytes + 64);  // + 64: room to align
+  }
+  ~ArenaTiles() {
+    if (raw_) allocator_->Free(allocator_, raw_);
+  }
+  ArenaTiles(const ArenaTiles&) = delete;
+  ArenaTiles& operator=(const ArenaTiles&) = delete;
+
+  float* aligned() const {
+    if (!raw_) return nullptr;
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw_) + 63) & ~uintptr_t{63});
+  }
+
+ private:
+  OrtAllocator* allocator_ = nullptr;
+  void* raw_ = nullptr;
+};
+
+template <typename T>
+void run_prologue(void* op, size_t tile) { static_cast<NMMatMulCpu<T>*>(op)->prologue_part(static_cast<int64_t>(tile)); }
 
 template <typename T>
 void run_blocks(void* op, size_t block) { static_cast<NMMatMulCpu<T>*>(op)->compute_block(static_cast<int64_t>(block)); }
@@ -35,8 +71,11 @@ struct CpuKernel {
       args.alpha = attrs_.alpha;
       args.shape = call.shape;
       HostTimer timer;
-      NMMatMulCpu<T> op(args);
-      // ORT's intra-op thread pool runs the column blocks.
+      const ArenaTiles tiles(ctx, NMMatMulCpu<T>::tile_bytes(args));
+      NMMatMulCpu<T> op(args, tiles.aligned());
+      // ORT's intra-op thread pool makes the activation tiles, then runs the column blocks.
+      if (op.num_prologue_parts() > 0)
+        ctx.ParallelFor(&run_prologue<T>, static_cast<size_t>(op.num_prologue_parts()), 0, &op);
       ctx.ParallelFor(&run_blocks<T>, static_cast<size_t>(op.num_blocks()), 0, &op);
     });
   }

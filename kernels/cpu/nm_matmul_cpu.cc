@@ -79,34 +79,70 @@ void gate(Glu glu, const T* up, float* a, int64_t count) {
 
 }  // namespace
 
+namespace {
+int tile_rows_for(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 16 ? 16 : 32; }
+}  // namespace
+
 template <typename T>
-NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args) : args_(args) {
-  const int64_t count = args.rows * args.shape.k;
+size_t NMMatMulCpu<T>::tile_bytes(const NMMatMulArgs<T>& args) {
+  if (args.rows < 2) return 0;
+  const int64_t R = tile_rows_for(args.rows);
+  return static_cast<size_t>((args.rows + R - 1) / R * R * args.shape.k) * sizeof(float);
+}
+
+// At 1 row A is made here (X itself where it is fp32 and ungated); from 2 rows the tiles are
+// filled by prologue_part, one tile a part, on the caller's threads (made here, a 256 x 11008
+// gated prologue took 3.7 ms on one thread while the product took 58 on two).
+template <typename T>
+NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args, float* tiles) : args_(args) {
+  const int64_t rows = args.rows, K = args.shape.k;
+  if (rows == 1) {
+    const bool x_as_is = std::is_same_v<T, float> && args.glu == Glu::none && !args.norm_weight;
+    if (!x_as_is) x32_storage_ = new float[static_cast<size_t>(std::max<int64_t>(K, 1))];
+    x32_ = activation_span(0, 0, K, row_scale(0), x32_storage_);
+  } else if (rows >= 2) {
+    tile_rows_ = tile_rows_for(rows);
+    num_tiles_ = (rows + tile_rows_ - 1) / tile_rows_;
+    tiles_ = tiles;
+    if (!tiles_) {
+      // 64-byte aligned (aligned_alloc wants a multiple of it): with new[]'s 16, every other 8-lane
+      // load of a 32-row tile split two cache lines (7% of a 64 x 4096 x 4096 2:8 call, session 73).
+      tiles_ = static_cast<float*>(std::aligned_alloc(64, (tile_bytes(args) + 63) / 64 * 64));
+      if (!tiles_) throw std::bad_alloc();
+      owns_tiles_ = true;
+    }
+    choose_block_columns();
+  }
+}
+
+// RMSNorm's factor for an activation row, 1 without the norm.
+template <typename T>
+float NMMatMulCpu<T>::row_scale(int64_t row) const {
+  if (!args_.norm_weight) return 1.0f;
+  const int64_t K = args_.shape.k;
+  const T* x = args_.x + row * K;
+  double squares = 0.0;
+  for (int64_t k = 0; k < K; ++k) {
+    const double v = to_float(x[k]);
+    squares += v * v;
+  }
+  return 1.0f / std::sqrt(static_cast<float>(squares / K) + args_.norm_epsilon);
+}
+
+// A[row, k0 : k0 + n) as fp32: X itself where it is fp32 and nothing applies, else written to
+// `scratch` converted, gated with X_up or normalised (scale: the row's row_scale).
+template <typename T>
+const float* NMMatMulCpu<T>::activation_span(int64_t row, int64_t k0, int64_t n, float scale, float* scratch) const {
+  const int64_t at = row * args_.shape.k + k0;
   if constexpr (std::is_same_v<T, float>) {
-    if (args.glu == Glu::none && !args.norm_weight) {
-      x32_ = args.x;
-      if (args.rows >= 2) build_tiles();
-      choose_block_columns();
-      return;
-    }
+    if (args_.glu == Glu::none && !args_.norm_weight) return args_.x + at;
   }
-  // Convert (and gate) once, not once per output column.
-  x32_storage_ = new float[static_cast<size_t>(std::max<int64_t>(count, 1))];
-  for (int64_t i = 0; i < count; ++i) x32_storage_[i] = to_float(args.x[i]);
-  if (args.glu != Glu::none) gate(args.glu, args.x_up, x32_storage_, count);
-  if (args.norm_weight) {
-    const int64_t K = args.shape.k;
-    for (int64_t r = 0; r < args.rows; ++r) {
-      float* row = x32_storage_ + r * K;
-      double squares = 0.0;
-      for (int64_t k = 0; k < K; ++k) squares += static_cast<double>(row[k]) * row[k];
-      const float scale = 1.0f / std::sqrt(static_cast<float>(squares / K) + args.norm_epsilon);
-      for (int64_t k = 0; k < K; ++k) row[k] = row[k] * scale * to_float(args.norm_weight[k]);
-    }
+  for (int64_t i = 0; i < n; ++i) scratch[i] = to_float(args_.x[at + i]);
+  if (args_.glu != Glu::none) gate(args_.glu, args_.x_up + at, scratch, n);
+  if (args_.norm_weight) {
+    for (int64_t i = 0; i < n; ++i) scratch[i] = scratch[i] * scale * to_float(args_.norm_weight[k0 + i]);
   }
-  x32_ = x32_storage_;
-  if (args.rows >= 2) build_tiles();
-  choose_block_columns();
+  return scratch;
 }
 
 // Every block reads all of the tiles (from L2 while they fit there, from L3 or memory past it),
@@ -131,35 +167,32 @@ void NMMatMulCpu<T>::choose_block_columns() {
 template <typename T>
 NMMatMulCpu<T>::~NMMatMulCpu() {
   delete[] x32_storage_;
-  std::free(tiles_);
+  if (owns_tiles_) std::free(tiles_);
 }
 
-// From 2 rows on, A is also laid out as tiles of R rows, [tile][K][R] (zeros past the last row),
-// so one decoded entry (k, v) updates R sums from R contiguous floats: a loop the compiler
-// vectorizes, instead of R scalar gathers from R rows K apart.
+// From 2 rows on, A is laid out as tiles of R rows, [tile][K][R] (zeros past the last row), so
+// one decoded entry (k, v) updates R sums from R contiguous floats: a loop the compiler
+// vectorizes, instead of R scalar gathers from R rows K apart. Tile t is made a span of K
+// positions at a time, whose R * kSpan floats stay in L1 while each row writes its column of them
+// (row by row over all of K, the writes R floats apart missed L1: 13% of a 64 x 1408 x 512 2:8
+// call, BENCHMARKS.md session 72).
 template <typename T>
-void NMMatMulCpu<T>::build_tiles() {
-  const int64_t rows = args_.rows, K = args_.shape.k;
-  tile_rows_ = rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 16 ? 16 : 32;
-  const int64_t R = tile_rows_, tiles = (rows + R - 1) / R;
-  // 64-byte aligned (aligned_alloc wants a multiple of it): with new[]'s 16, every other 8-lane
-  // load of a 32-row tile split two cache lines (7% of a 64 x 4096 x 4096 2:8 call, session 73).
-  const size_t bytes = static_cast<size_t>(tiles * K * R) * sizeof(float);
-  tiles_ = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
-  if (!tiles_) throw std::bad_alloc();
-  // A span of K positions at a time, whose R * kSpan floats stay in L1 while each row writes its
-  // column of them (row by row over all of K, the writes R floats apart missed L1: 13% of a 64 x
-  // 1408 x 512 2:8 call, BENCHMARKS.md session 72). Rows past the last are zeros.
+void NMMatMulCpu<T>::prologue_part(int64_t t) const {
   constexpr int64_t kSpan = 64;
-  for (int64_t t = 0; t < tiles; ++t) {
-    float* tile = tiles_ + t * K * R;
-    for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
-      const int64_t k1 = std::min(K, k0 + kSpan);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t row = t * R + r;
-        const float* in = row < rows ? x32_ + row * K : nullptr;
-        for (int64_t k = k0; k < k1; ++k) tile[k * R + r] = in ? in[k] : 0.0f;
-      }
+  const int64_t K = args_.shape.k, R = tile_rows_, first = t * R;
+  const int64_t live = std::min(R, args_.rows - first);  // rows of A in this tile
+  float scales[32];
+  for (int64_t r = 0; r < live; ++r) scales[r] = row_scale(first + r);
+  alignas(64) float scratch[32][kSpan];
+  const float* spans[32];
+  float* tile = tiles_ + t * K * R;
+  for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
+    const int64_t n = std::min(kSpan, K - k0);
+    for (int64_t r = 0; r < live; ++r) spans[r] = activation_span(first + r, k0, n, scales[r], scratch[r]);
+    for (int64_t k = 0; k < n; ++k) {
+      float* out = tile + (k0 + k) * R;
+      for (int64_t r = 0; r < live; ++r) out[r] = spans[r][k];
+      for (int64_t r = live; r < R; ++r) out[r] = 0.0f;
     }
   }
 }
@@ -583,19 +616,29 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
   }
 }
 
-template <typename T>
-void nm_matmul_cpu(const NMMatMulArgs<T>& args, int num_threads) {
-  NMMatMulCpu<T> op(args);
-  const int64_t blocks = op.num_blocks();
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+namespace {
+
+// f(i) for every i in [0, count), on up to num_threads threads (the caller's among them).
+template <typename F>
+void run_parallel(int64_t count, int num_threads, const F& f) {
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
   std::atomic<int64_t> next{0};
   auto worker = [&] {
-    for (int64_t b = next++; b < blocks; b = next++) op.compute_block(b);
+    for (int64_t i = next++; i < count; i = next++) f(i);
   };
   std::vector<std::thread> pool;
   for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
   worker();
   for (auto& t : pool) t.join();
+}
+
+}  // namespace
+
+template <typename T>
+void nm_matmul_cpu(const NMMatMulArgs<T>& args, int num_threads) {
+  NMMatMulCpu<T> op(args);
+  run_parallel(op.num_prologue_parts(), num_threads, [&](int64_t t) { op.prologue_part(t); });
+  run_parallel(op.num_blocks(), num_threads, [&](int64_t b) { op.compute_block(b); });
 }
 
 template class NMMatMulCpu<float>;
