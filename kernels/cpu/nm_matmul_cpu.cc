@@ -52,7 +52,7 @@ __attribute__((target("avx2,fma"))) void silu_gate_avx2(const float* up, float* 
 }
 #endif
 
-// A = gate(A, up) in place (A already fp32): the GLU prologue, one pass over the call's rows. With
+// A = gate(A, up) in place (A already fp32): the GLU prologue, over a span of a row. With
 // AVX2 and FMA, silu takes 8 lanes with exp8 (with a scalar expf a value, a gated 64 x 1408 x 512
 // 2:8 call took 1.6x the ungated one's time, BENCHMARKS.md session 72); `up` in another dtype
 // goes through fp32 in slices.
@@ -77,10 +77,8 @@ void gate(Glu glu, const T* up, float* a, int64_t count) {
   for (int64_t i = 0; i < count; ++i) a[i] = gated_activation(glu, a[i], to_float(up[i]));
 }
 
-}  // namespace
-
-namespace {
 int tile_rows_for(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 16 ? 16 : 32; }
+
 }  // namespace
 
 template <typename T>
@@ -91,8 +89,8 @@ size_t NMMatMulCpu<T>::tile_bytes(const NMMatMulArgs<T>& args) {
 }
 
 // At 1 row A is made here (X itself where it is fp32 and ungated); from 2 rows the tiles are
-// filled by prologue_part, one tile a part, on the caller's threads (made here, a 256 x 11008
-// gated prologue took 3.7 ms on one thread while the product took 58 on two).
+// filled by prologue_part, one tile a part, on the caller's threads (made in the constructor, a
+// 256 x 11008 gated prologue took 3.7 ms on one thread while the product took 58 on two).
 template <typename T>
 NMMatMulCpu<T>::NMMatMulCpu(const NMMatMulArgs<T>& args, float* tiles) : args_(args) {
   const int64_t rows = args.rows, K = args.shape.k;
@@ -151,10 +149,9 @@ const float* NMMatMulCpu<T>::activation_span(int64_t row, int64_t k0, int64_t n,
 // that still leaves two blocks a hardware thread for the pool to share out.
 template <typename T>
 void NMMatMulCpu<T>::choose_block_columns() {
-  constexpr int64_t kTilesInL2Bytes = 1 << 20;
+  constexpr size_t kTilesInL2Bytes = 1 << 20;
   if (tile_rows_ < 32) return;  // one tile, each column's walk over it already the whole block's
-  const int64_t tiles = (args_.rows + tile_rows_ - 1) / tile_rows_;
-  if (tiles * tile_rows_ * args_.shape.k * static_cast<int64_t>(sizeof(float)) <= kTilesInL2Bytes) return;
+  if (tile_bytes(args_) <= kTilesInL2Bytes) return;
   const int64_t threads = std::max(1u, std::thread::hardware_concurrency());
   for (const int64_t cols : {kMaxColumnsPerBlock, kMaxColumnsPerBlock / 2}) {
     if (args_.shape.nout / cols >= 2 * threads) {

@@ -58,7 +58,7 @@ class NMMatMulCpu {
 
   NMMatMulArgs<T> args_;
   const float* x32_ = nullptr;    // at 1 row: activations A as fp32 [K]
-  float* x32_storage_ = nullptr;  // owned when T is not float or A is not X
+  float* x32_storage_ = nullptr;  // x32_'s memory where T is not float or A is not X
   int tile_rows_ = 0;             // from 2 rows: A in tiles of 4, 8, 16 or 32 rows, [tile][K][rows]
   int64_t num_tiles_ = 0;
   float* tiles_ = nullptr;        // 64-byte aligned: a 16- or 32-row tile's row is whole cache lines
