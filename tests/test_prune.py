@@ -253,3 +253,39 @@ def test_unknown_dims_stay_unknown_for_shape_arithmetic(rng):
     ref, _ = dense_reference(feed["x"], magnitude_pruned(w, NMPattern(2, 4)))
     assert z.shape == (2, 3, 2, 4)
     assert relative_error(z.reshape(2, 3, 8), ref) < 1e-5
+
+
+def _bf16_matmul_model(weight, x_shape):
+    """MatMul with a bfloat16 weight and activation (weight: an ml_dtypes.bfloat16 array)."""
+    bf16 = onnx.TensorProto.BFLOAT16
+    k, nout = weight.shape
+    w = helper.make_tensor("W", bf16, [k, nout], weight.view(np.uint16).tobytes(), raw=True)
+    return make_model([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
+                      [helper.make_tensor_value_info("x", bf16, list(x_shape))],
+                      [helper.make_tensor_value_info("y", bf16, list(x_shape[:-1]) + [nout])], [w])
+
+
+@pytest.mark.parametrize("n,m", FAMILIES + [(3, 7)])
+@pytest.mark.parametrize("rows,k", [(1, 1000), (1, 1024), (5, 1003), (37, 1000)])
+def test_bfloat16_op_on_cpu(rng, n, m, rows, k):
+    """A bfloat16 model's op on the CPU EP (its weights decoded 8 at a time where the CPU has
+    AVX2, one at a time for 3:7 and 8:32) against the float64 product of the pruned model's
+    own stored tensors; the output buffer starts as NaN."""
+    import ml_dtypes  # an onnx dependency; NumPy has no bfloat16
+
+    bf16 = onnx.TensorProto.BFLOAT16
+    w = rng.standard_normal((k, 72)).astype(ml_dtypes.bfloat16)
+    pruned, _ = prune_model(_bf16_matmul_model(w, (rows, k)), Selection(NMPattern(n, m)))
+    node = op_nodes(pruned)[0]
+    stored = {i.name: numpy_helper.to_array(i) for i in pruned.graph.initializer}
+    values = stored[node.input[1]].astype(np.float32)
+    packed = nmcli.format.from_arrays(values, stored[node.input[2]], n, m, k)
+    x = rng.standard_normal((rows, k)).astype(ml_dtypes.bfloat16)
+    y = np.full((rows, 72), np.nan, ml_dtypes.bfloat16)
+    session = nmcli.session(pruned)
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy_with_onnx_type(x.view(np.uint16), bf16))
+    binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_numpy_with_onnx_type(y.view(np.uint16), bf16))
+    session.run_with_iobinding(binding)
+    ref, magnitude = dense_reference(x.astype(np.float32), nmcli.format.unpack(packed))
+    assert error_ratio(y.astype(np.float32), ref, magnitude, "bfloat16", k) < 1

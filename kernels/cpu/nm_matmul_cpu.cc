@@ -373,7 +373,7 @@ __attribute__((target("avx2"), always_inline)) inline __m256i chunk_positions(co
   return _mm256_add_epi32(lanes.group_base, offsets);
 }
 
-// Positions and fp32 values of chunk c (T: float or half_t).
+// Positions and fp32 values of chunk c (T: float, half_t or bfloat16_t).
 template <typename T>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void chunk_entries(
     const ChunkLanes& lanes, const Chunks& g, const T* vrow, const uint32_t* irow, int64_t c, __m256i* positions,
@@ -381,8 +381,11 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void chunk_entrie
   *positions = _mm256_add_epi32(chunk_positions(lanes, g, irow, c), _mm256_set1_epi32(static_cast<int32_t>(c * g.step)));
   if constexpr (std::is_same_v<T, float>) {
     *values = _mm256_loadu_ps(vrow + c * 8);
-  } else {
+  } else if constexpr (std::is_same_v<T, half_t>) {
     *values = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow + c * 8)));
+  } else {  // bf16: the top half of an fp32
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow + c * 8));
+    *values = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
   }
 }
 
@@ -445,8 +448,11 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) float dot_avx512(const Chunks& 
     __m512 values;
     if constexpr (std::is_same_v<T, float>) {
       values = _mm512_loadu_ps(vrow + c * 8);
-    } else {
+    } else if constexpr (std::is_same_v<T, half_t>) {
       values = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 8)));
+    } else {  // bf16
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 8));
+      values = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
     }
     if (c & 2) acc1 = _mm512_fmadd_ps(values, xs, acc1);
     else acc0 = _mm512_fmadd_ps(values, xs, acc0);
@@ -497,8 +503,7 @@ void tile_sums(int rows_per_tile, const int32_t* pos, const float* val, int64_t 
 }
 
 // How a column's entries are read, chosen once per block of columns: 8 at a time (AVX2 chunks)
-// where the CPU has AVX2, FMA and F16C, the weights are fp32 or fp16 (bf16 keeps the portable
-// code) and Chunks covers the pattern; one at a time otherwise.
+// where the CPU has AVX2, FMA and F16C and Chunks covers the pattern; one at a time otherwise.
 template <typename T>
 class ColumnDecoder {
  public:
@@ -531,7 +536,8 @@ class ColumnDecoder {
   }
 
  private:
-  static constexpr bool kVectorTypes = std::is_same_v<T, float> || std::is_same_v<T, half_t>;
+  static constexpr bool kVectorTypes =
+      std::is_same_v<T, float> || std::is_same_v<T, half_t> || std::is_same_v<T, bfloat16_t>;
   const NMShape& s_;
 #ifdef NMCLI_CPU_X86
   bool chunked_ = false;
