@@ -91,6 +91,39 @@ def test_no_rows_gives_an_empty_output(rng, dtype):
     assert y.shape == (0, 9) and y.dtype == dtype
 
 
+def check_fp16_rounding_at_the_edges(rows):
+    """fp16 in and out across the whole fp16 range: subnormal inputs, products that round to
+    subnormals, to zero, to 65504 or past it to inf, with ties among them. Each output is a single
+    exact product (fp16 x fp16 fits fp32; the other weights are zeros), so the output must be its
+    float32 value rounded to nearest even, bit for bit."""
+    rng = np.random.default_rng(rows)
+    k, nout = 64, 300
+
+    def every_exponent(size):
+        signs, fractions = rng.choice([-1.0, 1.0], size), 1 + rng.integers(0, 1024, size) / 1024
+        return (signs * fractions * 2.0 ** rng.integers(-24, 16, size)).astype(np.float16)
+
+    w = np.zeros((k, nout), np.float16)
+    w[0] = every_exponent(nout)
+    w[0, :4] = [1.5, -1.0009765625, 2.0**-14, 32752.0]  # ties and the largest finite fp16 among the products
+    packed = pack(w, np.zeros((nout, k // 2, 1), np.int64), NMPattern(1, 2))
+    x = rng.standard_normal((rows, k)).astype(np.float16)
+    x[:, 0] = every_exponent(rows)
+    x[0, 0] = 1.5
+    if rows > 1:
+        x[-1, 0] = 2.0**-24 * 3  # a subnormal input
+    y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=1, m=2, k=k)
+    with np.errstate(over="ignore"):
+        expected = (x[:, :1].astype(np.float32) * w[0].astype(np.float32)).astype(np.float16)
+    assert np.isinf(expected).any() and (np.abs(expected) < 2.0**-14).any() and (rows == 1 or (expected == 0).any())
+    assert np.array_equal(y.view(np.uint16), expected.view(np.uint16)), rows
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_fp16_rounding_at_the_edges(rows):
+    check_fp16_rounding_at_the_edges(rows)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_silu_gate_over_the_whole_float_range(rng, dtype):
     """The GLU prologue, silu(x) * x_up, on activations from -120 to 120 (past where e^-x over- and
@@ -165,9 +198,14 @@ for rows, k, nout, (n, m) in [(3, 40, 7, (2, 8)), (9, 130, 40, (1, 8)), (16, 64,
         y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=n, m=m, k=k, alpha=0.5)
         ref, magnitude = dense_reference(x, unpack(packed), None, 0.5)
         assert error_ratio(y, ref, magnitude, dtype, k) < 1, (rows, k, nout, n, m, dtype)
+sys.path.insert(0, TESTS)
+from test_kernel_cpu import check_fp16_rounding_at_the_edges
+for rows in (1, 5, 40):
+    check_fp16_rounding_at_the_edges(rows)
 print("ok")
 """
     env = dict(os.environ, **{switch: "1"})
+    script = f"import sys\nTESTS = {os.path.dirname(__file__)!r}\n" + script
     # Run outside the checkout, so the installed package (with its built module) is imported.
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)

@@ -52,11 +52,12 @@ template <> inline half_t from_float<half_t>(float v) {
   if (abs >= 0x477ff000u) return {static_cast<uint16_t>(sign | 0x7c00u)};  // rounds past 65504
   if (abs < 0x38800000u) {                                                 // fp16 subnormal or zero
     if (abs < 0x33000000u) return {sign};
-    const int shift = 126 - static_cast<int>(abs >> 23);
+    // v = man * 2^(e - 150) with e its biased exponent; in units of 2^-24 that is man >> (126 - e)
+    const int shift = 126 - static_cast<int>(abs >> 23);  // 14..24
     const uint32_t man = (abs & 0x7fffffu) | 0x800000u;
-    uint32_t q = man >> (shift + 1);
-    const uint32_t rem = man & ((1u << (shift + 1)) - 1u);
-    const uint32_t half = 1u << shift;
+    uint32_t q = man >> shift;
+    const uint32_t rem = man & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1);
     if (rem > half || (rem == half && (q & 1u))) ++q;
     return {static_cast<uint16_t>(sign | q)};
   }

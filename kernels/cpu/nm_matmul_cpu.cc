@@ -52,6 +52,56 @@ __attribute__((target("avx2,fma"))) void silu_gate_avx2(const float* up, float* 
 }
 #endif
 
+#ifdef NMCLI_CPU_X86
+__attribute__((target("avx2,f16c"))) void widen_half_f16c(const half_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].bits);
+}
+
+__attribute__((target("f16c"))) float widen_half_f16c(half_t h) { return _cvtsh_ss(h.bits); }
+
+__attribute__((target("f16c"))) half_t narrow_half_f16c(float v) {
+  return {static_cast<uint16_t>(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT))};
+}
+#endif
+
+// dst[0, n) = src[0, n) as fp32. fp16 goes by F16C where the CPU has it: the portable conversion
+// branches on the exponent, and with it (and narrow's) fp16 calls ran 1.2-1.25x bf16's
+// time at 64-256 rows (BENCHMARKS.md session 74).
+template <typename T>
+void widen(const T* src, float* dst, int64_t n) {
+#ifdef NMCLI_CPU_X86
+  if constexpr (std::is_same_v<T, half_t>) {
+    if (has_avx2_fma()) return widen_half_f16c(src, dst, n);
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// One value as fp32, the same way.
+template <typename T>
+float widen(T v) {
+#ifdef NMCLI_CPU_X86
+  if constexpr (std::is_same_v<T, half_t>) {
+    if (has_avx2_fma()) return widen_half_f16c(v);
+  }
+#endif
+  return to_float(v);
+}
+
+// v rounded to T (to nearest even), by F16C for fp16 where the CPU has it.
+template <typename T>
+T narrow(float v) {
+#ifdef NMCLI_CPU_X86
+  if constexpr (std::is_same_v<T, half_t>) {
+    if (has_avx2_fma()) return narrow_half_f16c(v);
+  }
+#endif
+  return from_float<T>(v);
+}
+
 // A = gate(A, up) in place (A already fp32): the GLU prologue, over a span of a row. With
 // AVX2 and FMA, silu takes 8 lanes with exp8 (with a scalar expf a value, a gated 64 x 1408 x 512
 // 2:8 call took 1.6x the ungated one's time, BENCHMARKS.md session 72); `up` in another dtype
@@ -67,7 +117,7 @@ void gate(Glu glu, const T* up, float* a, int64_t count) {
       float up32[kSlice];
       for (int64_t i0 = 0; i0 < count; i0 += kSlice) {
         const int64_t n = std::min(kSlice, count - i0);
-        for (int64_t i = 0; i < n; ++i) up32[i] = to_float(up[i0 + i]);
+        widen(up + i0, up32, n);
         silu_gate_avx2(up32, a + i0, n);
       }
       return;
@@ -121,7 +171,7 @@ float NMMatMulCpu<T>::row_scale(int64_t row) const {
   const T* x = args_.x + row * K;
   double squares = 0.0;
   for (int64_t k = 0; k < K; ++k) {
-    const double v = to_float(x[k]);
+    const double v = widen(x[k]);
     squares += v * v;
   }
   return 1.0f / std::sqrt(static_cast<float>(squares / K) + args_.norm_epsilon);
@@ -135,10 +185,10 @@ const float* NMMatMulCpu<T>::activation_span(int64_t row, int64_t k0, int64_t n,
   if constexpr (std::is_same_v<T, float>) {
     if (args_.glu == Glu::none && !args_.norm_weight) return args_.x + at;
   }
-  for (int64_t i = 0; i < n; ++i) scratch[i] = to_float(args_.x[at + i]);
+  widen(args_.x + at, scratch, n);
   if (args_.glu != Glu::none) gate(args_.glu, args_.x_up + at, scratch, n);
   if (args_.norm_weight) {
-    for (int64_t i = 0; i < n; ++i) scratch[i] = scratch[i] * scale * to_float(args_.norm_weight[k0 + i]);
+    for (int64_t i = 0; i < n; ++i) scratch[i] = scratch[i] * scale * widen(args_.norm_weight[k0 + i]);
   }
   return scratch;
 }
@@ -565,8 +615,8 @@ void NMMatMulCpu<T>::compute_block(int64_t block) const {
   }
   // Output (r, col_begin + c) from its sum: scaled, biased, the residual added.
   auto output = [&](int64_t r, int64_t c, float sum) {
-    const float residual = args_.residual ? to_float(args_.residual[r * s.nout + col_begin + c]) : 0.0f;
-    return from_float<T>(args_.alpha * sum + biases[c] + residual);
+    const float residual = args_.residual ? widen(args_.residual[r * s.nout + col_begin + c]) : 0.0f;
+    return narrow<T>(args_.alpha * sum + biases[c] + residual);
   };
   // Decoded (position, value) pairs: one column's, or every column's of the block where 32-row
   // tiles walk K in chunks (below).
