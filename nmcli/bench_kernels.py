@@ -222,10 +222,12 @@ def bench_shape(torch, m, k, n, pattern: NMPattern, dtype: str, copy_gbps: float
     def ours():
         stream = torch.cuda.current_stream().cuda_stream
         for i in range(sets):
-            copy_ptrs = dict(copy_values=cvs[i].data_ptr(), copy_indices=cids[i].data_ptr()) if copy else {}
+            copy_ptrs = dict(copy_values=cvs[i].data_ptr(), copy_indices=cids[i].data_ptr(),
+                             copy_index_words=copy.indices.shape[1]) if copy else {}
             _kernels.nm_matmul_cuda(xs[i].data_ptr(), vs[i].data_ptr(), ids[i].data_ptr(), 0, ys[i].data_ptr(), m,
                                     pattern.n, pattern.m, k, n, dtype, 1.0, stream, chosen, vector=vector,
-                                    workspace=workspace.data_ptr() if workspace is not None else 0, **copy_ptrs)
+                                    workspace=workspace.data_ptr() if workspace is not None else 0,
+                                    index_words=packed.indices.shape[1], **copy_ptrs)
 
     ours_ms = _time_graph(torch, ours, replays) / sets
     tile = tile_text(_kernels.last_tile_plan())

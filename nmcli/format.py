@@ -77,12 +77,12 @@ class PackedShape:
 
     @property
     def index_words(self) -> int:
-        """S*B/32: the words that hold a row's offsets (a row of `indices` as `pack` writes it)."""
+        """S*B/32: the words that hold a row's offsets (a row of `indices` as version 1 wrote it)."""
         return self.row_len * self.pattern.index_bits // 32
 
     @property
     def padded_index_words(self) -> int:
-        """A row of `indices` padded to whole 16-byte units (FORMAT.md, version 2)."""
+        """A row of `indices` padded to whole 16-byte units, as `pack` writes it (FORMAT.md, version 2)."""
         return -(-self.index_words // PADDED_INDEX_ROW_WORDS) * PADDED_INDEX_ROW_WORDS
 
     def accepts_index_words(self, words: int) -> bool:
@@ -90,13 +90,14 @@ class PackedShape:
         return words in (self.index_words, self.padded_index_words)
 
     def packed_bytes(self, itemsize: int) -> int:
-        return self.nout * (self.row_len * itemsize + self.index_words * 4)
+        """Bytes of values and indices as `pack` writes them (rows of indices padded)."""
+        return self.nout * (self.row_len * itemsize + self.padded_index_words * 4)
 
 
 @dataclass
 class PackedWeight:
-    """values [Nout, S] in the weight dtype and indices uint32 [Nout, S*B/32] (or its rows padded
-    to 16-byte units: FORMAT.md, version 2)."""
+    """values [Nout, S] in the weight dtype and indices uint32 [Nout, W]: W = S*B/32 rounded up to
+    whole 16-byte units as `pack` writes them, or S*B/32 as version 1 did (FORMAT.md)."""
 
     values: np.ndarray
     indices: np.ndarray
@@ -151,14 +152,19 @@ def pack(weight: np.ndarray, keep_offsets: np.ndarray, pattern: NMPattern) -> Pa
     values[:, : g * n] = kept
     offsets = np.zeros((nout, shape.row_len), dtype=np.int64)
     offsets[:, : g * n] = keep_offsets.reshape(nout, g * n)
-    indices = _pack_fields(offsets, pattern.index_bits)
+    indices = np.zeros((nout, shape.padded_index_words), dtype=np.uint32)
+    indices[:, : shape.index_words] = _pack_fields(offsets, pattern.index_bits)
     return PackedWeight(values, indices, shape)
 
 
-def with_padded_rows(packed: PackedWeight) -> PackedWeight:
-    """The same weight with its rows of indices padded to whole 16-byte units (FORMAT.md, version 2)."""
+def with_index_words(packed: PackedWeight, words: int) -> PackedWeight:
+    """The same weight with rows of indices `words` wide: `shape.index_words` (version 1's rows,
+    which readers still take) or `shape.padded_index_words` (FORMAT.md, version 2)."""
     shape = packed.shape
-    indices = np.zeros((shape.nout, shape.padded_index_words), dtype=np.uint32)
+    if not shape.accepts_index_words(words):
+        raise ValueError(f"rows of indices must be {shape.index_words} or, rows padded, "
+                         f"{shape.padded_index_words} words")
+    indices = np.zeros((shape.nout, words), dtype=np.uint32)
     indices[:, : shape.index_words] = packed.indices[:, : shape.index_words]
     return PackedWeight(packed.values, indices, shape)
 

@@ -19,8 +19,10 @@ working tree travels but its git repository stays as it was when the session sta
 
 With several `--path`, every build runs every path on each point (`-` where a path does not take
 the call), so forced paths are compared in the same process as the builds' dispatch. Likewise
-`--index-rows unpadded --index-rows padded` times each build on the weight's rows of indices as
-packed and padded to 16-byte units (docs/FORMAT.md version 2), where the padding changes them.
+`--index-rows unpadded --index-rows padded` times each build on the weight's rows of indices
+unpadded, as format version 1 wrote them, and padded to 16-byte units, as nmcli packs them now
+(docs/FORMAT.md version 2). Builds before version 2 read only unpadded rows: time them with
+`--index-rows unpadded` (with the default, padded, they print `-`).
 """
 import argparse
 import importlib.util
@@ -48,7 +50,7 @@ class Point:
     """One call's buffers: the packed weight replicated over sets past L2, activations, outputs;
     shared by every build, so all of them run on the same bytes."""
 
-    def __init__(self, m, k, n, pattern, values, indices, l2_bytes, resident=False, padded=False):
+    def __init__(self, m, k, n, pattern, values, indices, l2_bytes, resident=False, layouts=("padded",)):
         self.m, self.k, self.n, self.pattern = m, k, n, pattern
         self.dtype, size = values.dtype, values.element_size()
         self.moved = values.numel() * size + indices.numel() * 4 + (m * k + m * n) * size  # bytes a call moves
@@ -61,26 +63,24 @@ class Point:
             return [make() for _ in range(distinct)] * (self.sets // distinct)
 
         self.values = buffers(values.clone)
-        self.indices = buffers(indices.clone)
-        # padded: also the same rows of indices padded to 16-byte units (docs/FORMAT.md version 2),
-        # where that changes them
-        shape, self.padded_indices = PackedShape(k, n, pattern), None
-        if padded and shape.padded_index_words > shape.index_words:
-            wide = torch.zeros(n, shape.padded_index_words, dtype=indices.dtype, device=indices.device)
-            wide[:, : shape.index_words] = indices
-            self.padded_indices = buffers(wide.clone)
+        # rows of indices as packed (padded to 16-byte units, docs/FORMAT.md version 2) and as
+        # version 1 wrote them, each only where asked
+        words = {"padded": indices.shape[1], "unpadded": PackedShape(k, n, pattern).index_words}
+        self.indices = {layout: buffers(lambda: indices[:, : words[layout]].contiguous()) for layout in layouts}
         self.x = buffers(lambda: torch.randn(m, k, device="cuda", dtype=self.dtype))
         self.y = buffers(lambda: torch.empty(m, n, device="cuda", dtype=self.dtype))
 
-    def time_us(self, module, path: str, index_rows: str = "unpadded") -> float:
+    def time_us(self, module, path: str, index_rows: str = "padded") -> float:
         """Median microseconds per call of `module`'s kernel, with the workspace that build asks for
-        (builds stage a 2:4 copy in it on different calls), on rows of indices as packed or padded
-        (ValueError where they are not padded here or the build reads no padded rows)."""
-        indices, pitch = self.indices, {}
-        if index_rows == "padded":
-            if self.padded_indices is None or "index_words" not in (module.nm_matmul_cuda.__doc__ or ""):
-                raise ValueError("no padded rows of indices for this point or build")
-            indices, pitch = self.padded_indices, {"index_words": self.padded_indices[0].shape[1]}
+        (builds stage a 2:4 copy in it on different calls), on rows of indices padded as packed or
+        unpadded (ValueError where the build reads no padded rows)."""
+        indices = self.indices[index_rows]
+        if "index_words" not in (module.nm_matmul_cuda.__doc__ or ""):  # builds before version 2
+            if index_rows != "unpadded":
+                raise ValueError("this build reads unpadded rows of indices only")
+            pitch = {}
+        else:
+            pitch = {"index_words": indices[0].shape[1]}
         dtype = str(self.dtype).removeprefix("torch.")
         workspace = bench_kernels.workspace_for(torch, self.m, self.k, self.n, self.pattern, dtype, path,
                                                 kernels=module)
@@ -108,8 +108,9 @@ def main() -> None:
     parser.add_argument("--shape", action="append", metavar="KxN",
                         help="weight shape K x Nout (repeatable; default the LLaMA projections)")
     parser.add_argument("--index-rows", action="append", choices=["unpadded", "padded"],
-                        help="rows of indices as packed, or padded to 16-byte units (docs/FORMAT.md version 2; "
-                             "repeatable, each build on each; default unpadded)")
+                        help="rows of indices padded to 16-byte units as packed (docs/FORMAT.md version 2), "
+                             "or unpadded as version 1 wrote them, which builds before version 2 read "
+                             "(repeatable, each build on each; default padded)")
     parser.add_argument("--resident", action="store_true",
                         help="launch one buffer set over and over (weights smaller than L2 stay there): a "
                              "diagnostic, not a measurement of a call")
@@ -122,7 +123,7 @@ def main() -> None:
         builds[name] = load_build(name, so_path)
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     rng = np.random.default_rng(0)
-    layouts = args.index_rows or ["unpadded"]
+    layouts = args.index_rows or ["padded"]
     print(torch.cuda.get_device_name(0))
     for k, n in shapes:
         for nm in args.nm or ["2:8", "2:4"]:
@@ -131,14 +132,14 @@ def main() -> None:
             values = torch.from_numpy(packed.values).to("cuda", getattr(torch, args.dtype))
             indices = torch.from_numpy(packed.indices.view(np.int32)).cuda()
             for m in args.rows or [1]:
-                point = Point(m, k, n, pattern, values, indices, l2_bytes, args.resident, "padded" in layouts)
+                point = Point(m, k, n, pattern, values, indices, l2_bytes, args.resident, layouts)
                 runs = {(name, path, layout): [] for name in builds for path in paths for layout in layouts}
                 plans = {}  # the tile plan each build ran, where it reports one (from session 51)
                 for _ in range(ROUNDS):
                     for (name, path, layout), times in runs.items():
                         try:
                             times.append(point.time_us(builds[name], path, layout))
-                        except ValueError:  # the path does not take this call (or no padded rows)
+                        except ValueError:  # the path does not take this call (or the build these rows)
                             continue
                         if hasattr(builds[name], "last_tile_plan"):
                             plans[(name, path, layout)] = bench_kernels.tile_text(builds[name].last_tile_plan())

@@ -35,7 +35,8 @@ def main() -> None:
     for _ in range(args.calls):
         _kernels.nm_matmul_cuda(x.data_ptr(), values.data_ptr(), indices.data_ptr(), 0, y.data_ptr(), args.rows,
                                 pattern.n, pattern.m, args.k, args.nout, args.dtype, 1.0, stream, args.path,
-                                workspace=workspace.data_ptr() if workspace is not None else 0)
+                                workspace=workspace.data_ptr() if workspace is not None else 0,
+                                index_words=packed.indices.shape[1])
     torch.cuda.synchronize()
     chosen = _kernels.cuda_path(args.rows, pattern.n, pattern.m, args.k, args.nout, args.dtype)
     print(f"{args.rows} x {args.k} x {args.nout} {args.nm} {args.dtype}: ran {args.path}, the dispatch chooses {chosen}")

@@ -35,7 +35,8 @@ def main() -> None:
 
     def call(i, variant):
         _kernels.nm_matmul_cuda(x.data_ptr(), values[i].data_ptr(), indices[i].data_ptr(), 0, y.data_ptr(), ROWS,
-                                2, 8, K, NOUT, "float16", 1.0, stream.cuda_stream, "decode", **extra[variant])
+                                2, 8, K, NOUT, "float16", 1.0, stream.cuda_stream, "decode",
+                                index_words=packed.indices.shape[1], **extra[variant])
 
     for variant in ["plain", "norm", "glu", "residual", "plain", "norm"]:
         graph = torch.cuda.CUDAGraph()

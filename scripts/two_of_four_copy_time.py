@@ -32,7 +32,7 @@ def main() -> None:
             pattern = NMPattern.parse(nm)
             packed, _ = bench_kernels._random_packed(k, n, pattern, 0, False, rng)
             copy = PackedShape(k, n, NMPattern(2, 4))
-            moved = packed.nbytes + copy.packed_bytes(2)
+            moved = packed.nbytes + n * (copy.row_len * 2 + copy.index_words * 4)  # the copy's rows unpadded
             sets = bench_kernels._sets_for(l2_bytes, moved)
             values = [torch.from_numpy(packed.values).to("cuda", torch.float16) for _ in range(sets)]
             indices = [torch.from_numpy(packed.indices.view(np.int32)).cuda() for _ in range(sets)]
@@ -43,7 +43,8 @@ def main() -> None:
                 stream = torch.cuda.current_stream().cuda_stream
                 for i in range(sets):
                     _kernels.cuda_two_of_four_copy(values[i].data_ptr(), indices[i].data_ptr(), pattern.n, pattern.m,
-                                                   k, n, copy_values[i].data_ptr(), copy_indices[i].data_ptr(), stream)
+                                                   k, n, copy_values[i].data_ptr(), copy_indices[i].data_ptr(), stream,
+                                                   index_words=packed.indices.shape[1])
 
             ms = bench_kernels._time_graph(torch, launch, 20) / sets
             gbps = moved / (ms * 1e-3) / 1e9

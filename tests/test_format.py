@@ -3,7 +3,7 @@ import pytest
 from conftest import FAMILIES
 
 from nmcli.errors import InvalidPatternError
-from nmcli.format import NMPattern, PackedShape, from_arrays, index_bits, pack, unpack, with_padded_rows
+from nmcli.format import NMPattern, PackedShape, from_arrays, index_bits, pack, unpack, with_index_words
 from nmcli.masks import choose_offsets, prune_mask
 
 
@@ -33,7 +33,8 @@ def test_pack_unpack_roundtrip(rng, n, m, k, dtype):
     packed = pack(w, offsets, pattern)
     shape = packed.shape
     assert packed.values.shape == (nout, shape.row_len) and shape.row_len % 32 == 0
-    assert packed.indices.dtype == np.uint32 and packed.indices.shape == (nout, shape.row_len * pattern.index_bits // 32)
+    words = -(-shape.row_len * pattern.index_bits // 128) * 4  # S*B/32, padded to 16-byte units
+    assert packed.indices.dtype == np.uint32 and packed.indices.shape == (nout, words)
     dense = unpack(packed)
     assert dense.dtype == w.dtype and dense.shape == w.shape
     assert np.array_equal(dense, np.where(prune_mask(w, offsets, pattern), w, 0))
@@ -55,7 +56,8 @@ def test_bit_layout_matches_spec():
     expected = 1 | (6 << 3) | (0 << 6) | (7 << 9)
     assert packed.indices[0, 0] == expected
     assert list(packed.values[0, :4]) == [1, 2, 3, 4]
-    assert packed.indices.shape == (1, 3)  # S = 32 entries * 3 bits = 3 words
+    assert packed.indices.shape == (1, 4)  # S = 32 entries * 3 bits = 3 words, padded to 16 bytes
+    assert packed.indices[0, 3] == 0
 
 
 @pytest.mark.parametrize("n,m,fp16_bytes_per_group", [(2, 4, 4.5), (2, 8, 4.75), (1, 8, 2.375), (4, 16, 10.0)])
@@ -90,19 +92,23 @@ def test_from_arrays_checks_shapes(rng):
 
 
 @pytest.mark.parametrize("n,m,k", [(2, 8, 11008), (1, 8, 11008), (1, 8, 13824), (2, 4, 4104), (3, 7, 100)])
-def test_padded_rows_of_indices_read_back_the_same(rng, n, m, k):
-    """FORMAT.md version 2: rows of indices padded to whole 16-byte units (zeros past S*B/32) stand
-    for the same weight; no other width is taken."""
+def test_pack_pads_rows_of_indices_and_unpadded_ones_read_back_the_same(rng, n, m, k):
+    """FORMAT.md version 2: pack writes rows of indices padded to whole 16-byte units (zeros past
+    S*B/32); version 1's unpadded rows stand for the same weight; no other width is taken."""
     pattern = NMPattern(n, m)
     w = rng.standard_normal((k, 3)).astype(np.float16)
     packed = pack(w, choose_offsets(np.abs(w), pattern), pattern)
     shape = packed.shape
-    padded = with_padded_rows(packed)
-    assert packed.indices.shape[1] == shape.index_words and shape.index_words % 4 != 0
-    assert padded.indices.shape == (3, shape.padded_index_words) and shape.padded_index_words % 4 == 0
-    assert np.array_equal(padded.indices[:, : shape.index_words], packed.indices)
-    assert not padded.indices[:, shape.index_words:].any()
-    assert np.array_equal(unpack(from_arrays(padded.values, padded.indices, n, m, k)), unpack(packed))
+    assert shape.index_words % 4 != 0
+    assert packed.indices.shape == (3, shape.padded_index_words) and shape.padded_index_words % 4 == 0
+    assert not packed.indices[:, shape.index_words:].any()
+    assert shape.packed_bytes(2) == packed.nbytes
+    unpadded = with_index_words(packed, shape.index_words)
+    assert np.array_equal(unpadded.indices, packed.indices[:, : shape.index_words])
+    assert np.array_equal(unpack(from_arrays(unpadded.values, unpadded.indices, n, m, k)), unpack(packed))
+    assert np.array_equal(unpack(packed), np.where(unpack(packed) != 0, w, 0))
     for words in {shape.index_words - 1, shape.index_words + 1, shape.padded_index_words + 4}:
         with pytest.raises(ValueError, match="rows padded"):
             from_arrays(packed.values, np.zeros((3, words), np.uint32), n, m, k)
+        with pytest.raises(ValueError, match="rows padded"):
+            with_index_words(packed, words)

@@ -11,7 +11,7 @@ import pytest
 from conftest import FAMILIES
 
 from nmcli.format import (NMPattern, PackedShape, PackedWeight, pack, shares_offsets, two_of_four_copy, unpack,
-                          with_padded_rows)
+                          with_index_words)
 from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio, gated_activation, relative_error, rms_normalised
 
@@ -173,14 +173,21 @@ def test_decode_mma_matches_reference(rng, n, m, dtype_name, rows, k, nout):
     assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
 
 
-def assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, path, index_rows="unpadded"):
+def with_index_rows(packed, index_rows):
+    """`packed` with its rows of indices "padded" to 16-byte units as pack writes them (docs/FORMAT.md
+    version 2) or "unpadded" as version 1 did."""
+    shape = packed.shape
+    return with_index_words(packed, shape.padded_index_words if index_rows == "padded" else shape.index_words)
+
+
+def assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, path, index_rows="padded"):
     """A fresh case run on `path` against the float64 reference, outputs poisoned; skipped where the
-    path cannot take it (no sm_90a device). `index_rows`: "padded" for rows of indices padded to
-    16-byte units (docs/FORMAT.md version 2). Returns the packed weight."""
+    path cannot take it (no sm_90a device). `index_rows`: rows of indices "padded" as pack writes
+    them or "unpadded" (with_index_rows). Returns the packed weight."""
     if not kernels.cuda_path_supported(path, rows, n, m, dtype_name, k):
         pytest.skip("no sm_90a device")
     x, packed, bias = random_case(rng, NMPattern(n, m), rows, k, nout, dtype_name)
-    packed = with_padded_rows(packed) if index_rows == "padded" else packed
+    packed = with_index_rows(packed, index_rows)
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
     [y] = run_cuda(x, packed, bias, 0.75, dtype_name, path)
     assert error_ratio(y, ref, magnitude, dtype_name, k) < 1
@@ -188,9 +195,10 @@ def assert_forced_path_matches_reference(rng, n, m, dtype_name, rows, k, nout, p
 
 
 def skip_unless_padding_differs(index_rows, k, nout, n, m):
-    """Skips a padded case whose rows of indices are whole 16-byte units anyway."""
+    """Skips an unpadded case whose rows of indices are whole 16-byte units anyway (the padded case
+    runs the same bytes)."""
     shape = PackedShape(k, nout, NMPattern(n, m))
-    if index_rows == "padded" and shape.padded_index_words == shape.index_words:
+    if index_rows == "unpadded" and shape.padded_index_words == shape.index_words:
         pytest.skip("these rows of indices are whole 16-byte units already")
 
 
@@ -364,19 +372,19 @@ def test_persistent_two_of_four_kernel(rng, dtype_name, rows, k, nout, plan, per
 @pytest.mark.parametrize("dtype_name", ["float16", "float32"])
 @pytest.mark.parametrize("rows,k,nout", [(1, 4104, 4300), (2, 4104, 300), (9, 11008, 300), (16, 2056, 130),
                                          (17, 4104, 4100), (64, 11008, 1000), (150, 4104, 1030), (700, 2056, 520)])
-def test_padded_rows_of_indices_on_every_path(rng, n, m, dtype_name, rows, k, nout):
-    """Rows of indices padded to whole 16-byte units (docs/FORMAT.md version 2) where the unpadded ones
-    are not: every path that takes the call reads them (the warpgroup kernels copy their offset
-    words by tensor copy, not by cp.async) and matches the float64 reference within the dtype's
-    bound; outputs poisoned."""
+def test_padded_and_unpadded_rows_of_indices_on_every_path(rng, n, m, dtype_name, rows, k, nout):
+    """Rows of indices padded to whole 16-byte units as pack writes them (docs/FORMAT.md version 2),
+    where version 1's unpadded ones are not: every path that takes the call reads both (the
+    warpgroup kernels copy padded rows' offset words by tensor copy, unpadded ones by cp.async) and
+    matches the float64 reference within the dtype's bound; outputs poisoned."""
     pattern = NMPattern(n, m)
-    skip_unless_padding_differs("padded", k, nout, n, m)
+    skip_unless_padding_differs("unpadded", k, nout, n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
-    padded = with_padded_rows(packed)
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
     for path in paths_for(rows, pattern, dtype_name, k):
-        [y] = run_cuda(x, padded, bias, 0.75, dtype_name, path)
-        assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, path
+        for index_rows in ("padded", "unpadded"):
+            [y] = run_cuda(x, with_index_rows(packed, index_rows), bias, 0.75, dtype_name, path)
+            assert error_ratio(y, ref, magnitude, dtype_name, k) < 1, (path, index_rows)
 
 
 TF32_FAMILIES = [(2, 4), (1, 4), (2, 8), (1, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32), (16, 32)]
@@ -414,13 +422,20 @@ def test_cuda_reads_the_two_of_four_copy_on_the_sparse_tensor_cores(rng, n, m, d
     every other path the weight. Each call gets the tensor it must not read poisoned with NaN and
     must still match the float64 reference; the dispatch sends the call to the sparse tensor cores
     exactly where it sends a 2:4 weight of the same shape. Weight and copy with their rows of
-    indices padded to 16-byte units (docs/FORMAT.md version 2) where K is 4104."""
+    indices padded to 16-byte units as pack writes them (docs/FORMAT.md version 2), and where K is
+    4104 (which pads them) also unpadded, as version 1 wrote them."""
     pattern = NMPattern(n, m)
     x, packed, bias = random_case(rng, pattern, rows, k, nout, dtype_name)
-    copy = two_of_four_copy(packed)
-    if k == 4104:
-        packed, copy = with_padded_rows(packed), with_padded_rows(copy)
     ref, magnitude = dense_reference(x, unpack(packed), bias, alpha=0.75)
+    for index_rows in ("padded", "unpadded") if k == 4104 else ("padded",):
+        weight, copy = with_index_rows(packed, index_rows), with_index_rows(two_of_four_copy(packed), index_rows)
+        reads_the_right_tensor(x, weight, copy, bias, ref, magnitude, dtype_name)
+
+
+def reads_the_right_tensor(x, packed, copy, bias, ref, magnitude, dtype_name):
+    """test_cuda_reads_the_two_of_four_copy_on_the_sparse_tensor_cores on one pair of tensors."""
+    rows, k, nout = x.shape[0], packed.shape.k, packed.shape.nout
+    n, m = packed.shape.pattern.n, packed.shape.pattern.m
     auto = kernels.cuda_path(rows, n, m, k, nout, dtype_name, 0, True)
     assert (auto == "wgmma_sp") == (kernels.cuda_path(rows, 2, 4, k, nout, dtype_name) == "wgmma_sp")
     forced = [p for p in ("decode", "decode_mma", "mma", "wgmma_sp", "tiled")
@@ -447,8 +462,8 @@ def test_device_two_of_four_copy_matches_the_host_one(rng, n, m, dtype_name, k, 
     output buffers start poisoned."""
     pattern = NMPattern(n, m)
     _, packed, _ = random_case(rng, pattern, 1, k, nout, dtype_name)
-    want = two_of_four_copy(packed)
-    source = with_padded_rows(packed) if index_rows == "padded" else packed
+    want = with_index_rows(two_of_four_copy(packed), "unpadded")  # the staged copy's rows: S4/16 words
+    source = with_index_rows(packed, index_rows)
     values = to_device(source.values, dtype_name)
     indices = torch.from_numpy(source.indices.view(np.int32)).cuda()
     copy_values = torch.full(want.values.shape, float("nan"), device="cuda", dtype=TORCH_DTYPE[dtype_name])
@@ -592,7 +607,7 @@ def test_vector_path_split_outputs_residual_and_gate(rng, dtype_name):
     kernels.nm_matmul_cuda(xd.data_ptr(), vd.data_ptr(), idx.data_ptr(), bd.data_ptr(), y.data_ptr(), rows, 2, 8, k,
                            nout, dtype_name, 0.75, torch.cuda.current_stream().cuda_stream, "vector",
                            residual=rd.data_ptr(), x_up=ud.data_ptr(), glu="silu", workspace=workspace.data_ptr(),
-                           vector=32)
+                           vector=32, index_words=packed.indices.shape[1])
     torch.cuda.synchronize()
     got = y.float().cpu().numpy().astype(np.float64)
     assert error_ratio(got, ref, magnitude, dtype_name, k, rounded_input=True) < 1
@@ -629,7 +644,8 @@ def test_cuda_paths_fuse_residual_and_prologue(rng, prologue, dtype_name, n, m, 
                                k, nout, dtype_name, 0.75, torch.cuda.current_stream().cuda_stream, path,
                                residual=rd.data_ptr(), x_up=ud.data_ptr() if prologue == "glu" else 0, glu=glu,
                                workspace=workspace.data_ptr() if workspace is not None else 0,
-                               norm_weight=gd.data_ptr() if prologue == "norm" else 0, norm_epsilon=1e-5)
+                               norm_weight=gd.data_ptr() if prologue == "norm" else 0, norm_epsilon=1e-5,
+                               index_words=packed.indices.shape[1])
         torch.cuda.synchronize()
         got = y.float().cpu().numpy().astype(np.float64)
         assert error_ratio(got, ref, magnitude, dtype_name, k, rounded_input=True) < 1, path
@@ -669,7 +685,8 @@ def test_back_to_back_calls_see_each_others_outputs(rng, nm, path, rows, wide):
             src, dst = buffers[i], buffers[(i + 1) % 3]
             kernels.nm_matmul_cuda(src.data_ptr(), vds[i].data_ptr(), ids[i].data_ptr(), 0, dst.data_ptr(), rows,
                                    pattern.n, pattern.m, widths[i], widths[i + 1], "float16", alphas[i], stream, path,
-                                   workspace=workspace.data_ptr() if needs[i] else 0)
+                                   workspace=workspace.data_ptr() if needs[i] else 0,
+                                   index_words=packed.indices.shape[1])
         torch.cuda.synchronize()
         seen = [inputs[0]] + buffers[1:] + [buffers[0]]
         for i, packed in enumerate(weights):
@@ -753,11 +770,12 @@ def test_ort_cuda_op_passes_the_copy_to_the_sparse_tensor_cores(rng):
 
 
 @needs_ort_cuda
-def test_ort_cuda_op_reads_padded_rows_of_indices(rng):
+def test_ort_cuda_op_reads_padded_and_unpadded_rows_of_indices(rng):
     """A model whose rows of indices, in the weight and in its 2:4 copy, are padded to 16-byte units
-    (docs/FORMAT.md version 2; K = 4104 leaves both short of whole units unpadded): on the CUDA EP,
-    calls of 4 rows (the decode path, reading the weight) and 300 rows (the sparse tensor cores,
-    reading the copy) match the CPU EP on the unpadded model."""
+    as nmcli writes them (docs/FORMAT.md version 2; K = 4104 leaves both short of whole units
+    unpadded), and the same model with version 1's unpadded rows: on the CUDA EP, calls of 4 rows
+    (the decode path, reading the weight) and 300 rows (the sparse tensor cores, reading the copy)
+    match the CPU EP."""
     import nmcli
     from models import matmul_model
     from onnx import numpy_helper
@@ -765,23 +783,26 @@ def test_ort_cuda_op_reads_padded_rows_of_indices(rng):
     pruned, _ = nmcli.prune_model(matmul_model(w, ["rows", 4104]), nmcli.Selection(nmcli.NMPattern(2, 8)),
                                   prefill_copy=True)
     node = next(n for n in pruned.graph.node if n.op_type == "NMMatMul")
-    padded_model = type(pruned)()
-    padded_model.CopyFrom(pruned)
+    unpadded_model = type(pruned)()
+    unpadded_model.CopyFrom(pruned)
     for name, pattern in ((node.input[2], NMPattern(2, 8)), (node.input[8], NMPattern(2, 4))):
         shape = PackedShape(4104, 1024, pattern)
         assert shape.padded_index_words > shape.index_words
-        for i, t in enumerate(padded_model.graph.initializer):
+        for i, t in enumerate(unpadded_model.graph.initializer):
             if t.name == name:
-                padded = np.zeros((1024, shape.padded_index_words), np.uint32)
-                padded[:, : shape.index_words] = numpy_helper.to_array(t)
-                padded_model.graph.initializer[i].CopyFrom(numpy_helper.from_array(padded, name))
-    cuda = nmcli.session(padded_model, providers=["CUDAExecutionProvider"])
-    assert cuda.get_providers()[0] == "CUDAExecutionProvider"
-    for rows in (4, 300):
-        x = rng.standard_normal((rows, 4104)).astype(np.float16)
-        (expected,) = nmcli.session(pruned).run(None, {"x": x})
-        (got,) = cuda.run(None, {"x": x})
-        assert relative_error(got, expected.astype(np.float64)) < 2e-3, rows
+                words = numpy_helper.to_array(t)
+                assert words.shape == (1024, shape.padded_index_words) and not words[:, shape.index_words:].any()
+                unpadded = np.ascontiguousarray(words[:, : shape.index_words])
+                unpadded_model.graph.initializer[i].CopyFrom(numpy_helper.from_array(unpadded, name))
+    on_cpu = nmcli.session(pruned)
+    for model in (pruned, unpadded_model):
+        cuda = nmcli.session(model, providers=["CUDAExecutionProvider"])
+        assert cuda.get_providers()[0] == "CUDAExecutionProvider"
+        for rows in (4, 300):
+            x = rng.standard_normal((rows, 4104)).astype(np.float16)
+            (expected,) = on_cpu.run(None, {"x": x})
+            (got,) = cuda.run(None, {"x": x})
+            assert relative_error(got, expected.astype(np.float64)) < 2e-3, (rows, model is pruned)
 
 
 def _pruned_block(rng, dtype, permute=False, fuse=True, vector=0):

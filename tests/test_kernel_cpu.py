@@ -9,7 +9,7 @@ import pytest
 from conftest import FAMILIES
 
 from nmcli import _kernels
-from nmcli.format import NMPattern, pack, unpack, with_padded_rows
+from nmcli.format import NMPattern, pack, unpack, with_index_words
 from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio, gated_activation, rms_normalised
 
@@ -183,7 +183,7 @@ def test_narrower_vectors_match_reference(tmp_path, switch):
     script = """
 import numpy as np
 from nmcli import _kernels
-from nmcli.format import NMPattern, pack, unpack, with_padded_rows
+from nmcli.format import NMPattern, pack, unpack
 from nmcli.masks import choose_offsets
 from nmcli.reference import dense_reference, error_ratio
 rng = np.random.default_rng(7)
@@ -215,15 +215,16 @@ print("ok")
 @pytest.mark.parametrize("n,m,k", [(2, 8, 11008), (1, 8, 200), (2, 4, 4104), (3, 7, 100), (1, 4, 40)])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_padded_rows_of_indices_give_the_same_products(rng, n, m, k, rows):
-    """Rows of indices padded to 16-byte units (docs/FORMAT.md version 2) give exactly the products
-    of the unpadded rows; both within fp16's bound of the float64 reference."""
-    packed = packed_random(rng, k, 9, NMPattern(n, m), np.float16)
-    padded = with_padded_rows(packed)
-    assert padded.indices.shape[1] > packed.indices.shape[1]
+    """Rows of indices padded to 16-byte units, as pack writes them (docs/FORMAT.md version 2), give
+    exactly the products of version 1's unpadded rows; both within fp16's bound of the float64
+    reference."""
+    padded = packed_random(rng, k, 9, NMPattern(n, m), np.float16)
+    unpadded = with_index_words(padded, padded.shape.index_words)
+    assert padded.indices.shape[1] > unpadded.indices.shape[1]
     x = rng.standard_normal((rows, k)).astype(np.float16)
-    y = _kernels.nm_matmul_cpu(x, packed.values, packed.indices, n=n, m=m, k=k)
-    assert np.array_equal(_kernels.nm_matmul_cpu(x, padded.values, padded.indices, n=n, m=m, k=k), y)
-    ref, magnitude = dense_reference(x, unpack(packed), None, 1.0)
+    y = _kernels.nm_matmul_cpu(x, padded.values, padded.indices, n=n, m=m, k=k)
+    assert np.array_equal(_kernels.nm_matmul_cpu(x, unpadded.values, unpadded.indices, n=n, m=m, k=k), y)
+    ref, magnitude = dense_reference(x, unpack(padded), None, 1.0)
     assert error_ratio(y, ref, magnitude, np.float16, k) < 1
 
 

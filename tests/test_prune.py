@@ -208,29 +208,32 @@ def test_op_rejects_mismatched_tensors(rng):
 
 
 @pytest.mark.parametrize("n,m,k", [(2, 8, 104), (1, 8, 200), (2, 4, 40)])
-def test_op_reads_padded_rows_of_indices(rng, n, m, k):
-    """docs/FORMAT.md version 2: the op runs a model whose rows of indices are padded to 16-byte
-    units to the same result as the unpadded model; rows of any other width get a clear message."""
+def test_op_reads_padded_and_unpadded_rows_of_indices(rng, n, m, k):
+    """docs/FORMAT.md version 2: prune writes rows of indices padded to 16-byte units; the op runs
+    the same model with version 1's unpadded rows to the same result; rows of any other width get a
+    clear message."""
     w = rng.standard_normal((k, 24)).astype(np.float32)
     pruned, _ = prune_model(matmul_model(w, (3, k)), Selection(NMPattern(n, m)))
     shape = PackedShape(k, 24, NMPattern(n, m))
     indices_name = op_nodes(pruned)[0].input[2]
     words = numpy_helper.to_array(next(i for i in pruned.graph.initializer if i.name == indices_name))
-    assert words.shape == (24, shape.index_words) and shape.padded_index_words > shape.index_words
+    assert words.shape == (24, shape.padded_index_words) and shape.padded_index_words > shape.index_words
+    assert not words[:, shape.index_words:].any()
     x = {"x": rng.standard_normal((3, k)).astype(np.float32)}
     (expected,) = run_sparse(pruned, x)
 
     def with_indices(width):
         model = onnx.ModelProto()
         model.CopyFrom(pruned)
-        padded = np.zeros((24, width), np.uint32)
-        padded[:, : shape.index_words] = words
+        rows = np.zeros((24, width), np.uint32)
+        common = min(width, shape.index_words)
+        rows[:, :common] = words[:, :common]
         for init in model.graph.initializer:
             if init.name == indices_name:
-                init.CopyFrom(numpy_helper.from_array(padded, indices_name))
+                init.CopyFrom(numpy_helper.from_array(rows, indices_name))
         return model
 
-    (y,) = run_sparse(with_indices(shape.padded_index_words), x)
+    (y,) = run_sparse(with_indices(shape.index_words), x)
     assert np.array_equal(y, expected)
     with pytest.raises(Exception, match="indices have shape.*rows padded"):
         run_sparse(with_indices(shape.padded_index_words + 4), x)
