@@ -62,16 +62,18 @@ class KernelRow:
 def tile_text(plan: tuple) -> str:
     """_kernels.last_tile_plan() in short: activation-tile rows, "/S" for a K split S ways over a
     cluster, " last" where only the last wave's tiles split, " sk" for stream-K, " pers" for the
-    persistent 2:4 kernel (a fifth field, which builds before session 61 lack); empty off the
+    persistent 2:4 kernel (a fifth field, which builds before session 61 lack), " x2" for the
+    regrouping kernel's grid of two blocks an SM (a sixth, from session 72); empty off the
     warpgroup kernels."""
     rows, split, last_wave, stream_k = plan[:4]
     persistent = len(plan) > 4 and plan[4]
+    two_per_sm = len(plan) > 5 and plan[5]
     if rows == 0:
         return ""
     if stream_k:
         return f"{rows} sk"
     return (f"{rows}" + (f"/{split}" if split > 1 else "") + (" pers" if persistent else "")
-            + (" last" if last_wave else ""))
+            + (" x2" if two_per_sm else "") + (" last" if last_wave else ""))
 
 
 def path_text(path: str, tile: str = "", copy: bool = False) -> str:

@@ -190,6 +190,8 @@ def test_tile_plan_text():
     assert tile_text((256, 1, False, False, True)) == "256 pers"  # the persistent 2:4 kernel
     assert tile_text((256, 2, True, False, True)) == "256/2 pers last"  # its whole waves, then the last split
     assert tile_text((256, 1, False, False, False)) == "256"
+    assert tile_text((64, 6, False, False, False, True)) == "64/6 x2"  # two blocks an SM (regrouping kernel)
+    assert tile_text((160, 1, False, False, False, False)) == "160"
     assert path_text("decode") == "decode"
     assert path_text("wgmma_sp", "256 sk", copy=True) == "wgmma_sp 256 sk (2:4 copy)"
 

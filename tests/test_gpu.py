@@ -271,6 +271,46 @@ def test_regrouping_kernel_stream_k_when_forced():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
+TWO_PER_SM_SCRIPT = """
+import sys
+import numpy as np
+sys.path[:0] = [sys.argv[2], sys.argv[1]]
+from test_gpu import assert_forced_path_matches_reference, kernels
+rng = np.random.default_rng(72)
+for n, m in [(1, 4), (2, 8), (1, 8)]:
+    for rows in (17, 64):
+        assert_forced_path_matches_reference(rng, n, m, "float16", rows, 4096, 4096, "wgmma_sp")
+        plan = kernels.last_tile_plan()
+        assert (plan[5], plan[1]) == ((True, 8) if sys.argv[3] == "pair" else (False, plan[1])), (n, m, rows, plan)
+        assert plan[0] != 0, plan
+"""
+
+
+def test_two_blocks_per_sm_grid_reported_and_forced(rng):
+    """The regrouping kernel's grid of two 64-row blocks an SM (wgmma_sp.cu, two_per_sm_split) shows
+    in last_tile_plan: on 132 SMs the fewest K splits that make 165 blocks, 6 ways for the 32 tiles
+    of 4096 x 4096 at 17 rows and 5 for the 33 of 4096 x 4100 at 64; none at 40 rows on 4096 x 1024
+    (8 tiles keep a block an SM). NMCLI_TILE_PLAN=64,8,pair forces 8-way splits, and any other plan
+    asked for (64,4) keeps the grid off the call. Every call against the float64 reference with
+    poisoned outputs, 1:4, 2:8 and 1:8."""
+    if not kernels.cuda_path_supported("wgmma_sp", 64, 2, 8, "float16", 4096):
+        pytest.skip("no sm_90a device")
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the grids are sized for 132 SMs")
+    for n, m in [(1, 4), (2, 8), (1, 8)]:
+        for rows, nout, split in [(17, 4096, 6), (64, 4100, 5)]:
+            assert_forced_path_matches_reference(rng, n, m, "float16", rows, 4096, nout, "wgmma_sp")
+            assert kernels.last_tile_plan() == (64, split, False, False, False, True), (n, m, rows)
+        assert_forced_path_matches_reference(rng, n, m, "float16", 40, 4096, 1024, "wgmma_sp")
+        assert not kernels.last_tile_plan()[5]
+    nmcli_root = str(Path(kernels.__file__).resolve().parents[1])
+    for asked, kind in (("64,8,pair", "pair"), ("64,4", "other")):
+        result = subprocess.run([sys.executable, "-c", TWO_PER_SM_SCRIPT, str(Path(__file__).parent), nmcli_root,
+                                 kind], env=dict(os.environ, NMCLI_TILE_PLAN=asked), capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, asked + ": " + result.stdout[-2000:] + result.stderr[-2000:]
+
+
 # Calls whose tile plan (sm90::launch_split, on 132 SMs) is the same for the 2:4, regrouping and
 # expanding kernels: (rows, K, Nout, (activation-tile rows, K split, whole waves first, then the last
 # wave's tiles split)).

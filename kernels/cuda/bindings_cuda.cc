@@ -217,10 +217,12 @@ void register_cuda_bindings(py::module_& mod) {
       "last_tile_plan",
       [] {
         const CudaTilePlan& plan = last_tile_plan();
-        return py::make_tuple(plan.rows, plan.split, plan.last_wave_split, plan.stream_k, plan.persistent);
+        return py::make_tuple(plan.rows, plan.split, plan.last_wave_split, plan.stream_k, plan.persistent,
+                              plan.two_per_sm);
       },
-      "(tile rows, K split, last wave split, stream-K, persistent) of this thread's last nm_matmul_cuda call on a "
-      "warpgroup kernel (wgmma, wgmma_sp, fp32 wgmma); tile rows 0 where the last call ran another path.");
+      "(tile rows, K split, last wave split, stream-K, persistent, two blocks an SM) of this thread's last "
+      "nm_matmul_cuda call on a warpgroup kernel (wgmma, wgmma_sp, fp32 wgmma); tile rows 0 where the last call "
+      "ran another path.");
   mod.def(
       "cuda_path_supported",
       [](const std::string& path, int64_t rows, int n, int m, const std::string& dtype, int64_t k, int64_t vector,

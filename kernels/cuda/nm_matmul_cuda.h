@@ -85,14 +85,16 @@ int nm_matmul_cuda(const CudaMatMul& call, void* stream, CudaPath path = CudaPat
 // The tile plan of the calling thread's last nm_matmul_cuda call where it ran a warpgroup kernel
 // (sm90::launch_split in kernels/cuda/wgmma_tile.cuh): its activation-tile rows (0 where the call
 // ran another path), K split, whether its whole waves ran unsplit before the last wave's tiles
-// split, whether it ran stream-K. For tests and measurements, which otherwise would have to work
-// launch_split's model by hand.
+// split, whether it ran stream-K; or the regrouping kernel's grid of two 64-row blocks an SM and its
+// K split (wgmma_sp.cu, two_per_sm_split), which launch_split does not weigh. For tests and
+// measurements, which otherwise would have to work launch_split's model by hand.
 struct CudaTilePlan {
   int rows = 0;
   int split = 1;
   bool last_wave_split = false;
   bool stream_k = false;
   bool persistent = false;  // the persistent 2:4 kernel (wgmma_sp.cu)
+  bool two_per_sm = false;  // the regrouping kernel's grid of two 64-row blocks an SM (wgmma_sp.cu)
 };
 CudaTilePlan& last_tile_plan();
 

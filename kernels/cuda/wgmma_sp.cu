@@ -1122,20 +1122,26 @@ cudaError_t launch_regrouped(const PathParams<T>& p, cudaStream_t stream, int sp
 // blocks unsplit, which took two waves of one block per SM). Forced splits with fewer blocks, or
 // with blocks of 8 steps, lost: 32 tiles split 4 ways (128 blocks) 0.79-0.99x, 8 ways (256
 // blocks) 0.77-0.95x; the 8 tiles of 4096 x 1024 0.40-1.00x at every split, so those keep one
-// block per SM. 0 where it does not take the call.
+// block per SM. 0 where it does not take the call. NMCLI_TILE_PLAN (sm90::asked_plan) "64,SPLIT,pair"
+// asks for SPLIT ways where blocks keep 8 steps and the clusters fit at once; any other plan asked
+// for leaves the call to launch_split.
 constexpr int kTwoPerSmRows = 64;  // the activation tile of those grids
 template <typename T, int kN, int kM>
 int two_per_sm_split(const PathParams<T>& p, int64_t steps) {
   constexpr int kRows = kTwoPerSmRows;
-  if (p.rows > kRows) return 0;
+  const sm90::TilePlan& asked = sm90::asked_plan();
+  if (p.rows > kRows || (asked.rows != 0 && !(asked.two_per_sm && asked.rows == kRows))) return 0;
   constexpr bool kSlots = kSlotsAlways<kN>;  // as launch_regrouped takes it
   constexpr auto kernel = wgmma_regroup_kernel<T, kN, kM, kRows, kSlots, true, 2>;
   constexpr int kSmem = static_cast<int>(RegroupLayout<kN, kM, kRows, 2, kSlots>::kBytes);
   constexpr int kBlock = kThreads + kRegroupThreads<kN, kRows, kSlots> + kProducerThreads;
   if (allow_dynamic_smem<kernel>(kSmem) != cudaSuccess) return 0;
   const int64_t tiles = (p.nout + kTileW - 1) / kTileW, least_blocks = multiprocessor_count() * 5 / 4;
+  const auto fits = [&](int split) { return tiles <= active_clusters<kernel>(split, kBlock, kSmem); };
+  if (asked.two_per_sm)
+    return asked.split <= sm90::kMostBlocks && steps / asked.split >= 8 && fits(asked.split) ? asked.split : 0;
   for (int split = 1; split <= sm90::kMostBlocks && steps / split >= 8; ++split)
-    if (tiles * split >= least_blocks) return tiles <= active_clusters<kernel>(split, kBlock, kSmem) ? split : 0;
+    if (tiles * split >= least_blocks) return fits(split) ? split : 0;
   return 0;
 }
 
@@ -1166,8 +1172,10 @@ cudaError_t run_wgmma_sp(PathParams<T> p, cudaStream_t stream) {
   return sm90::run_family(p, with_sp_family, [&](auto kN, auto kM) {
     const int64_t steps = sm90::k_steps(p.groups, kM());
     if constexpr (kN() != 2 || kM() != 4)
-      if (const int split = two_per_sm_split<T, kN(), kM()>(p, steps); split > 0)
+      if (const int split = two_per_sm_split<T, kN(), kM()>(p, steps); split > 0) {
+        last_tile_plan() = {kTwoPerSmRows, split, false, false, false, true};
         return launch_regrouped<T, kN(), kM(), kTwoPerSmRows, 2>(p, stream, split, steps);
+      }
     const auto launch = [&](auto rows, int splits, const PathParams<T>& tiles) {
       if constexpr (kN() == 2 && kM() == 4)
         return launch_two_of_four<T, rows()>(tiles, stream, splits, steps);

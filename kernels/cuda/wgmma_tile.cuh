@@ -243,7 +243,9 @@ constexpr int64_t kMostWavesBeforeSplit = 3;
 // A plan asked for through NMCLI_TILE_PLAN, a knob for measuring the plans launch_split weighs
 // against its choice (like NMCLI_NO_PDL): "ROWS,SPLIT" (one launch), "ROWS,sk" (stream-K) or
 // "ROWS,SPLIT,last" (the whole waves unsplit, then the last one split). launch_split takes it where
-// it is one of the plans it weighs for the call, else its own choice; unset, rows is 0. Session 50
+// it is one of the plans it weighs for the call, else its own choice; unset, rows is 0. "64,SPLIT,pair"
+// asks for the regrouping kernel's grid of two blocks an SM (wgmma_sp.cu, two_per_sm_split), which
+// any other plan asked for keeps off the call. Session 50
 // forced every plan at 640 and 768 rows before the 192-row tiles (BENCHMARKS.md): the model's
 // choice was within 2% of the fastest at all 18 points.
 struct TilePlan {
@@ -251,6 +253,7 @@ struct TilePlan {
   int64_t body = 0;  // tiles launched unsplit before the split ones (split_last_wave), else 0
   bool stream_k = false;
   double time = -1.0;  // launch_split's estimate; negative: no plan yet
+  bool two_per_sm = false;  // asked "pair": two blocks an SM (two_per_sm_split), never a launch_split plan
 };
 inline const TilePlan& asked_plan() {
   static const TilePlan plan = [] {
@@ -261,12 +264,13 @@ inline const TilePlan& asked_plan() {
     a.stream_k = std::strcmp(second, "sk") == 0;
     a.split = a.stream_k ? 1 : std::max(1, std::atoi(second));
     a.body = std::strcmp(third, "last") == 0 ? 1 : 0;  // any body: the last wave split
+    a.two_per_sm = std::strcmp(third, "pair") == 0;
     return a;
   }();
   return plan;
 }
 inline bool plan_matches(const TilePlan& asked, const TilePlan& plan) {
-  return asked.rows == plan.rows && asked.stream_k == plan.stream_k &&
+  return asked.rows == plan.rows && asked.stream_k == plan.stream_k && asked.two_per_sm == plan.two_per_sm &&
          (plan.stream_k || (asked.split == plan.split && (asked.body > 0) == (plan.body > 0)));
 }
 
