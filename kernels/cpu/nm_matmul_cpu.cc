@@ -60,8 +60,6 @@ __attribute__((target("avx2,f16c"))) void widen_half_f16c(const half_t* src, flo
   for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].bits);
 }
 
-__attribute__((target("f16c"))) float widen_half_f16c(half_t h) { return _cvtsh_ss(h.bits); }
-
 __attribute__((target("f16c"))) half_t narrow_half_f16c(float v) {
   return {static_cast<uint16_t>(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT))};
 }
@@ -83,12 +81,9 @@ void widen(const T* src, float* dst, int64_t n) {
 // One value as fp32, the same way.
 template <typename T>
 float widen(T v) {
-#ifdef NMCLI_CPU_X86
-  if constexpr (std::is_same_v<T, half_t>) {
-    if (has_avx2_fma()) return widen_half_f16c(v);
-  }
-#endif
-  return to_float(v);
+  float f;
+  widen(&v, &f, 1);
+  return f;
 }
 
 // v rounded to T (to nearest even), by F16C for fp16 where the CPU has it.
