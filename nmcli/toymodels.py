@@ -8,11 +8,9 @@ import argparse
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from .modelio import max_ir_version_supported
-
-ELEM = {np.dtype("float32"): TensorProto.FLOAT, np.dtype("float16"): TensorProto.FLOAT16}
 
 
 def make_model(nodes, inputs, outputs, initializers, opset=17) -> onnx.ModelProto:
@@ -23,7 +21,8 @@ def make_model(nodes, inputs, outputs, initializers, opset=17) -> onnx.ModelProt
 
 
 def vinfo(name, dtype, shape):
-    return helper.make_tensor_value_info(name, ELEM[np.dtype(dtype)], shape)
+    """A tensor's type and shape; dtype a NumPy dtype (ml_dtypes.bfloat16 for bfloat16)."""
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), shape)
 
 
 def transformer_block(rng, hidden=64, ffn=176, dtype=np.float32, seq="s") -> tuple[onnx.ModelProto, dict]:

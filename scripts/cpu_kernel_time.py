@@ -42,17 +42,16 @@ def bfloat16_op(w: np.ndarray, rows: int, pattern: NMPattern):
     import ml_dtypes  # an onnx dependency
     import onnx
     import onnxruntime as ort
-    from onnx import helper
+    from onnx import helper, numpy_helper
 
     import nmcli
-    from nmcli.toymodels import make_model
+    from nmcli.toymodels import make_model, vinfo
 
     bf16 = onnx.TensorProto.BFLOAT16
     k, n = w.shape
-    weight = helper.make_tensor("W", bf16, [k, n], w.astype(ml_dtypes.bfloat16).view(np.uint16).tobytes(), raw=True)
-    model = make_model([helper.make_node("MatMul", ["x", "W"], ["y"])],
-                       [helper.make_tensor_value_info("x", bf16, [rows, k])],
-                       [helper.make_tensor_value_info("y", bf16, [rows, n])], [weight])
+    model = make_model([helper.make_node("MatMul", ["x", "W"], ["y"])], [vinfo("x", ml_dtypes.bfloat16, [rows, k])],
+                       [vinfo("y", ml_dtypes.bfloat16, [rows, n])],
+                       [numpy_helper.from_array(w.astype(ml_dtypes.bfloat16), "W")])
     pruned, _ = nmcli.prune_model(model, nmcli.Selection(pattern))
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1

@@ -258,16 +258,6 @@ def test_unknown_dims_stay_unknown_for_shape_arithmetic(rng):
     assert relative_error(z.reshape(2, 3, 8), ref) < 1e-5
 
 
-def _bf16_matmul_model(weight, x_shape):
-    """MatMul with a bfloat16 weight and activation (weight: an ml_dtypes.bfloat16 array)."""
-    bf16 = onnx.TensorProto.BFLOAT16
-    k, nout = weight.shape
-    w = helper.make_tensor("W", bf16, [k, nout], weight.view(np.uint16).tobytes(), raw=True)
-    return make_model([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
-                      [helper.make_tensor_value_info("x", bf16, list(x_shape))],
-                      [helper.make_tensor_value_info("y", bf16, list(x_shape[:-1]) + [nout])], [w])
-
-
 @pytest.mark.parametrize("n,m", FAMILIES + [(3, 7)])
 @pytest.mark.parametrize("rows,k", [(1, 1000), (1, 1024), (5, 1003), (37, 1000)])
 def test_bfloat16_op_on_cpu(rng, n, m, rows, k):
@@ -278,7 +268,7 @@ def test_bfloat16_op_on_cpu(rng, n, m, rows, k):
 
     bf16 = onnx.TensorProto.BFLOAT16
     w = rng.standard_normal((k, 72)).astype(ml_dtypes.bfloat16)
-    pruned, _ = prune_model(_bf16_matmul_model(w, (rows, k)), Selection(NMPattern(n, m)))
+    pruned, _ = prune_model(matmul_model(w, (rows, k)), Selection(NMPattern(n, m)))
     node = op_nodes(pruned)[0]
     stored = {i.name: numpy_helper.to_array(i) for i in pruned.graph.initializer}
     values = stored[node.input[1]].astype(np.float32)
