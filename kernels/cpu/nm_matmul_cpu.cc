@@ -418,20 +418,31 @@ __attribute__((target("avx2"), always_inline)) inline __m256i chunk_positions(co
   return _mm256_add_epi32(lanes.group_base, offsets);
 }
 
-// Positions and fp32 values of chunk c (T: float, half_t or bfloat16_t).
+// 8 stored values from v as fp32 (T: float, half_t or bfloat16_t; bf16 is the top half of an fp32).
+template <typename T>
+__attribute__((target("avx2,f16c"), always_inline)) inline __m256 values8(const T* v) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(v);
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  if constexpr (std::is_same_v<T, half_t>) return _mm256_cvtph_ps(bits);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// The same, 16 values.
+template <typename T>
+__attribute__((target("avx512f"), always_inline)) inline __m512 values16(const T* v) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(v);
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  if constexpr (std::is_same_v<T, half_t>) return _mm512_cvtph_ps(bits);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Positions and fp32 values of chunk c.
 template <typename T>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void chunk_entries(
     const ChunkLanes& lanes, const Chunks& g, const T* vrow, const uint32_t* irow, int64_t c, __m256i* positions,
     __m256* values) {
   *positions = _mm256_add_epi32(chunk_positions(lanes, g, irow, c), _mm256_set1_epi32(static_cast<int32_t>(c * g.step)));
-  if constexpr (std::is_same_v<T, float>) {
-    *values = _mm256_loadu_ps(vrow + c * 8);
-  } else if constexpr (std::is_same_v<T, half_t>) {
-    *values = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow + c * 8)));
-  } else {  // bf16: the top half of an fp32
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow + c * 8));
-    *values = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-  }
+  *values = values8(vrow + c * 8);
 }
 
 // The entries after the last whole chunk (the rest of the full groups, the partial last group),
@@ -490,15 +501,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) float dot_avx512(const Chunks& 
         second);
     const float* w = x + c * g.step;
     const __m512 xs = _mm512_permutex2var_ps(_mm512_loadu_ps(w), rel, _mm512_loadu_ps(w + 16));
-    __m512 values;
-    if constexpr (std::is_same_v<T, float>) {
-      values = _mm512_loadu_ps(vrow + c * 8);
-    } else if constexpr (std::is_same_v<T, half_t>) {
-      values = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 8)));
-    } else {  // bf16
-      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 8));
-      values = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-    }
+    const __m512 values = values16(vrow + c * 8);
     if (c & 2) acc1 = _mm512_fmadd_ps(values, xs, acc1);
     else acc0 = _mm512_fmadd_ps(values, xs, acc0);
   }
